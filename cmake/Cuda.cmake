@@ -1,0 +1,33 @@
+# TREEVERIFY_CUDA=AUTO builds the CUDA backend when a CUDA toolkit is found (no GPU is needed to
+# compile it); ON requires one; OFF skips it. NCCL ships no CMake package: it is found next to
+# the toolkit.
+set(TREEVERIFY_HAVE_CUDA OFF)
+if(NOT TREEVERIFY_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    # CMake 3.25 does not know C++20 for nvcc.
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    find_package(CUDAToolkit REQUIRED)
+    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY AND NOT TARGET NCCL::nccl)
+      add_library(NCCL::nccl UNKNOWN IMPORTED)
+      set_target_properties(NCCL::nccl PROPERTIES IMPORTED_LOCATION ${NCCL_LIBRARY}
+                                                  INTERFACE_INCLUDE_DIRECTORIES ${NCCL_INCLUDE_DIR})
+    endif()
+    set(TREEVERIFY_HAVE_CUDA ON)
+    message(STATUS "treeverify: CUDA backend ON (${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES})")
+  elseif(TREEVERIFY_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "TREEVERIFY_CUDA=ON but no CUDA compiler was found")
+  else()
+    message(STATUS "treeverify: CUDA backend OFF (no CUDA toolkit found)")
+  endif()
+endif()

@@ -1,0 +1,62 @@
+// Mixture-of-experts routing and expert computation (DeepSeek-V2 / V3 / Kimi-K2 routers).
+//
+// Routing picks top_k experts per token and their weights:
+//  - sigmoid + noaux_tc (V3, K2): choice = sigmoid(logit) + correction_bias; groups ranked by the
+//    sum of their two best choices; the best topk_group groups are kept; top_k experts by choice;
+//    weights are the plain sigmoid scores.
+//  - softmax + greedy (V2-Lite) or group_limited_greedy (V2): groups ranked by their best score.
+//  Then optional renormalization (norm_topk_prob) and the routed scaling factor.
+// Expert computation sums each token's experts in ascending expert id, whatever the batch, so
+// the CPU backend stays batch invariant.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace treeverify::kernels {
+
+enum class MoeScoring { kSigmoid, kSoftmax };
+enum class MoeTopkMethod { kNoauxTc, kGreedy, kGroupLimitedGreedy };
+
+struct MoeRoutingParams {
+  const float* router_logits = nullptr;    // [tokens, num_experts]
+  const float* correction_bias = nullptr;  // [num_experts] (noaux_tc only, else may be null)
+  int32_t* topk_ids = nullptr;             // [tokens, top_k] ascending expert ids
+  float* topk_weights = nullptr;           // [tokens, top_k] matching topk_ids
+  int64_t tokens = 0;
+  int32_t num_experts = 0;
+  int32_t top_k = 0;
+  int32_t num_groups = 1;
+  int32_t topk_groups = 1;
+  MoeScoring scoring = MoeScoring::kSigmoid;
+  MoeTopkMethod method = MoeTopkMethod::kNoauxTc;
+  bool normalize = true;  // norm_topk_prob
+  float routed_scaling_factor = 1.0f;
+};
+
+// The experts one rank holds, in the nn.Linear layout. With experts split inside (tensor
+// parallel) every expert is present with intermediate columns of 1/W; with whole experts per rank
+// (expert parallel) experts outside [first_expert, first_expert + num_local_experts) are skipped.
+struct MoeExpertsParams {
+  const float* x = nullptr;               // [tokens, hidden]
+  const int32_t* topk_ids = nullptr;      // [tokens, top_k]
+  const float* topk_weights = nullptr;    // [tokens, top_k]
+  const float* const* gate_proj = nullptr;  // [num_local_experts] -> [intermediate, hidden]
+  const float* const* up_proj = nullptr;    // [num_local_experts] -> [intermediate, hidden]
+  const float* const* down_proj = nullptr;  // [num_local_experts] -> [hidden, intermediate]
+  float* out = nullptr;                   // [tokens, hidden], overwritten
+  int64_t tokens = 0;
+  int32_t top_k = 0;
+  int64_t hidden = 0;
+  int64_t intermediate = 0;  // per-rank columns of one expert
+  int32_t first_expert = 0;
+  int32_t num_local_experts = 0;
+};
+
+namespace cpu {
+absl::Status MoeRouting(const MoeRoutingParams& params);
+absl::Status MoeExperts(const MoeExpertsParams& params);
+}  // namespace cpu
+
+}  // namespace treeverify::kernels

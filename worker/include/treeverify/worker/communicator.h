@@ -1,0 +1,58 @@
+// Collective operations between the tensor-parallel ranks of one model replica.
+//
+// Every reduction is an all-gather followed by a sum in rank order, so its result does not
+// depend on timing or on how the batch is split: the CPU backend stays batch invariant. The
+// in-process implementation runs W ranks as threads of one process (tests, the CLI); Gloo (CPU
+// processes) and NCCL (GPUs) implement the same interface.
+//
+//   auto group = InProcessGroup::Create(2);
+//   std::thread([&] { group->communicator(1)->AllReduceSum(buffer1); });
+//   group->communicator(0)->AllReduceSum(buffer0);
+#pragma once
+
+#include <barrier>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace treeverify::worker {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // In place: data becomes the sum over ranks, added in rank order. Every rank passes the same
+  // length.
+  virtual absl::Status AllReduceSum(absl::Span<float> data) = 0;
+};
+
+// World size 1: every collective is the identity.
+class SoloCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  absl::Status AllReduceSum(absl::Span<float>) override { return absl::OkStatus(); }
+};
+
+// W ranks as threads sharing memory. Each rank must call collectives from its own thread, in
+// the same order on every rank.
+class InProcessGroup {
+ public:
+  static std::unique_ptr<InProcessGroup> Create(int world_size);
+  Communicator* communicator(int rank) { return members_[rank].get(); }
+  int world_size() const { return static_cast<int>(members_.size()); }
+
+ private:
+  class Member;
+  explicit InProcessGroup(int world_size);
+  std::barrier<> barrier_;
+  std::vector<absl::Span<float>> buffers_;
+  std::vector<std::vector<float>> scratch_;
+  std::vector<std::unique_ptr<Member>> members_;
+};
+
+}  // namespace treeverify::worker

@@ -1,0 +1,83 @@
+// The paged latent KV cache of one rank: one 576-wide row (latent + rope) per token per layer,
+// in pages of page_size rows that all layers allocate together.
+//
+// A sequence has a committed prefix (positions [0, committed_length)) and, during a step, a
+// segment of new rows right after it (tree nodes or a prefill chunk). Commit keeps the accepted
+// segment rows, moved to contiguous positions, and frees the rest; Release frees everything. A
+// full pool fails only the sequence that asked (RESOURCE_EXHAUSTED) and changes nothing else.
+//
+//   TV_RETURN_IF_ERROR(cache->ReserveSegment(seq, nodes));
+//   ... write rows at cache->SegmentSlots(seq), run attention with cache->page_table(seq) ...
+//   TV_RETURN_IF_ERROR(cache->Commit(seq, {0, 2, 5}));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace treeverify::worker {
+
+struct KvCacheOptions {
+  int64_t num_pages = 0;
+  int32_t page_size = 64;
+  int64_t num_layers = 0;
+  int64_t row_dim = 0;  // kv_lora_rank + qk_rope_head_dim
+  absl::Status Validate() const;
+};
+
+class KvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheOptions& options);
+
+  const KvCacheOptions& options() const { return options_; }
+  bool Contains(uint64_t seq_id) const { return sequences_.contains(seq_id); }
+  // 0 for an unknown sequence.
+  int64_t committed_length(uint64_t seq_id) const;
+  int64_t segment_length(uint64_t seq_id) const;
+
+  // Makes room for `count` new rows after the committed prefix (a new sequence starts empty).
+  // Replaces any uncommitted segment. RESOURCE_EXHAUSTED when the pool cannot hold them; the
+  // sequence is then left as it was.
+  absl::Status ReserveSegment(uint64_t seq_id, int64_t count);
+  // Global slots (page * page_size + row) of the segment's rows, in node order.
+  std::vector<int64_t> SegmentSlots(uint64_t seq_id) const;
+  // Pages of the sequence in position order.
+  const std::vector<int32_t>& page_table(uint64_t seq_id) const;
+
+  // Keeps segment rows `accepted_nodes` (strictly ascending node indices) as the next committed
+  // positions, in that order, and drops the rest of the segment.
+  absl::Status Commit(uint64_t seq_id, absl::Span<const int32_t> accepted_nodes);
+  // Frees all pages of the sequence and forgets it. NOT_FOUND for an unknown id.
+  absl::Status Release(uint64_t seq_id);
+
+  // One layer's rows: [num_pages * page_size, row_dim].
+  float* layer_data(int64_t layer) { return storage_.data() + layer * layer_elements_; }
+  const float* layer_data(int64_t layer) const {
+    return storage_.data() + layer * layer_elements_;
+  }
+
+  int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
+  int64_t used_pages() const { return options_.num_pages - free_pages(); }
+
+ private:
+  struct Sequence {
+    int64_t committed_length = 0;
+    int64_t segment_length = 0;
+    std::vector<int32_t> pages;
+  };
+  explicit KvCache(const KvCacheOptions& options);
+  int64_t PagesFor(int64_t rows) const;
+  void ShrinkTo(Sequence& sequence, int64_t rows);
+
+  KvCacheOptions options_;
+  int64_t layer_elements_ = 0;
+  std::vector<float> storage_;
+  std::vector<int32_t> free_list_;
+  std::unordered_map<uint64_t, Sequence> sequences_;
+};
+
+}  // namespace treeverify::worker
