@@ -6,6 +6,9 @@
 //    weights are the plain sigmoid scores.
 //  - softmax + greedy (V2-Lite) or group_limited_greedy (V2): groups ranked by their best score.
 //  Then optional renormalization (norm_topk_prob) and the routed scaling factor.
+//  Dropped groups are masked as transformers does (-inf for noaux_tc, 0.0 for
+//  group_limited_greedy). Ties, left unspecified by torch.topk, go to the lower group or expert
+//  id. topk_ids come out in ascending expert id.
 // Expert computation sums each token's experts in ascending expert id, whatever the batch, so
 // the CPU backend stays batch invariant.
 #pragma once

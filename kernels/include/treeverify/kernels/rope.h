@@ -3,8 +3,9 @@
 // Pairs are (x[2i], x[2i+1]) when interleaved (DeepSeek's checkpoints, rope_interleave = true,
 // and always for DeepSeek-V2), else (x[i], x[i + d/2]) (rotate_half). Pair i turns by the angle
 // position * inv_freq[i]; cos and sin are scaled by attention_factor (YaRN's mscale ratio), as
-// transformers does. Interleaved pairs stay in place: q and k are rotated alike, so q.k is the
-// same as with transformers' de-interleaved layout.
+// transformers does. The angle is the fp32 product float(position) * inv_freq[i], as torch's;
+// its cos and sin are taken in double and rounded to fp32. Interleaved pairs stay in place: q
+// and k are rotated alike, so q.k is the same as with transformers' de-interleaved layout.
 #pragma once
 
 #include <cstdint>

@@ -42,6 +42,7 @@ class SoloCommunicator final : public Communicator {
 // the same order on every rank.
 class InProcessGroup {
  public:
+  // nullptr when world_size < 1.
   static std::unique_ptr<InProcessGroup> Create(int world_size);
   Communicator* communicator(int rank) { return members_[rank].get(); }
   int world_size() const { return static_cast<int>(members_.size()); }
@@ -52,7 +53,8 @@ class InProcessGroup {
   std::barrier<> barrier_;
   std::vector<absl::Span<float>> buffers_;
   std::vector<std::vector<float>> scratch_;
-  std::vector<std::unique_ptr<Member>> members_;
+  // Held as the interface: Member is incomplete here, and communicator() returns the base.
+  std::vector<std::unique_ptr<Communicator>> members_;
 };
 
 }  // namespace treeverify::worker

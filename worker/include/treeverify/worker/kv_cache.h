@@ -71,6 +71,9 @@ class KvCache {
   };
   explicit KvCache(const KvCacheOptions& options);
   int64_t PagesFor(int64_t rows) const;
+  // Global slot of a position of the sequence; the position must lie in its pages.
+  int64_t SlotOf(const Sequence& sequence, int64_t position) const;
+  // Frees the pages beyond those that `rows` rows need.
   void ShrinkTo(Sequence& sequence, int64_t rows);
 
   KvCacheOptions options_;

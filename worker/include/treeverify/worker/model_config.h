@@ -27,8 +27,8 @@ struct YarnScaling {
   int64_t original_max_position_embeddings = 0;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
-  double mscale = 0.0;          // 0 = absent
-  double mscale_all_dim = 0.0;  // 0 = absent
+  double mscale = 0.0;                     // 0 = absent
+  double mscale_all_dim = 0.0;             // 0 = absent
   std::optional<double> attention_factor;  // explicit override, rarely given
   bool truncate = true;
   bool operator==(const YarnScaling&) const = default;

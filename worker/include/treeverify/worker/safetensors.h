@@ -22,7 +22,9 @@
 
 namespace treeverify::worker {
 
-enum class DType { kF32, kF16, kBF16 };
+// kI32 tensors (token ids in test fixtures) can be opened and their raw bytes read; the float
+// readers refuse them.
+enum class DType { kF32, kF16, kBF16, kI32 };
 
 struct TensorInfo {
   DType dtype = DType::kF32;
@@ -72,6 +74,17 @@ class Checkpoint {
                                                  int64_t col_begin, int64_t col_end) const;
 
  private:
+  // A tensor found by name: its file, header entry and first byte.
+  struct Located {
+    const SafetensorsFile* file;
+    const TensorInfo* info;
+    const uint8_t* data;
+  };
+  absl::StatusOr<Located> Locate(const std::string& name) const;
+  absl::StatusOr<Located> LocateWithShape(const std::string& name,
+                                          const std::vector<int64_t>& expected_shape) const;
+
+  std::string dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const SafetensorsFile*> index_;
 };
@@ -84,8 +97,7 @@ struct TensorToWrite {
   std::vector<float> values;
 };
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                              DType dtype,
-                              const std::map<std::string, std::string>& metadata = {});
+                              DType dtype, const std::map<std::string, std::string>& metadata = {});
 
 // bf16/f16 conversions (exact bit patterns; bf16 rounds to nearest even).
 float Bf16ToFloat(uint16_t bits);

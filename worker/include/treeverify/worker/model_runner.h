@@ -1,0 +1,106 @@
+// One tensor-parallel rank of the model: weights, paged KV cache and the forward pass of a batch
+// of sequences, each a committed prefix plus a segment of new rows (a draft tree, or a chain for
+// prefill). Every rank of a group receives the same ForwardRequest and calls Forward from its own
+// thread or process; the ranks meet in the communicator's all-reduces.
+//
+// Per sequence the forward (1) commits the previous step's accepted nodes, (2) reserves cache
+// slots for the new rows, (3) runs the layers, (4) returns a summary of this rank's vocabulary
+// shard per node. A sequence whose request is bad or whose cache is full fails alone: its status
+// says why, the others go on.
+//
+//   TV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(dir, options, communicator));
+//   ForwardRequest request;
+//   request.segments.push_back({.sequence_id = 7, .token_ids = {5, 9}, .parents = {-1, 0}});
+//   TV_ASSIGN_OR_RETURN(ForwardResult result, runner->Forward(request));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "treeverify/kernels/lm_head_summary.h"
+#include "treeverify/worker/communicator.h"
+#include "treeverify/worker/kv_cache.h"
+#include "treeverify/worker/model_config.h"
+#include "treeverify/worker/model_weights.h"
+
+namespace treeverify::worker {
+
+struct ModelRunnerOptions {
+  int rank = 0;
+  int world_size = 1;
+  ExpertSharding expert_sharding = ExpertSharding::kSplitInside;
+  int32_t kv_page_size = 64;
+  int64_t kv_pages = 1024;
+
+  absl::Status Validate() const;
+};
+
+struct SegmentInput {
+  uint64_t sequence_id = 0;
+  // Accepted node indices of this sequence's previous segment, committed before anything else
+  // (nullopt: nothing to commit).
+  std::optional<std::vector<int32_t>> commit_nodes;
+  // If set, the committed length the caller expects after the commit; a mismatch fails the
+  // sequence (FAILED_PRECONDITION), guarding against a coordinator and worker out of step.
+  std::optional<int64_t> expected_committed_length;
+  std::vector<int32_t> token_ids;  // [nodes]
+  std::vector<int32_t> parents;    // [nodes]; -1 = hangs on the committed prefix
+};
+
+struct ForwardRequest {
+  std::vector<SegmentInput> segments;
+  bool return_logits = false;  // full logits of this rank's vocabulary shard (tests, tools)
+};
+
+struct SegmentOutput {
+  absl::Status status;
+  int64_t committed_length = 0;                // before this segment's rows
+  std::vector<kernels::NodeSummary> summaries;  // [nodes], this rank's vocabulary shard
+  std::vector<float> logits;                   // [nodes, vocab shard] when requested
+};
+
+struct ForwardResult {
+  std::vector<SegmentOutput> segments;  // one per request segment, same order
+};
+
+class ModelRunner {
+ public:
+  // The communicator must outlive the runner and have the options' rank and world size.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const std::string& model_dir,
+                                                             const ModelRunnerOptions& options,
+                                                             Communicator* communicator);
+  ~ModelRunner();
+
+  const ModelConfig& config() const { return weights_->config; }
+  const ShardingPlan& plan() const { return weights_->plan; }
+  const KvCache& kv_cache() const { return *kv_cache_; }
+
+  // Fails as a whole only for errors that concern every sequence (a collective failed).
+  absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request);
+  // Drops a sequence's cache pages. NOT_FOUND for an unknown id.
+  absl::Status Release(uint64_t sequence_id);
+
+ private:
+  struct Batch;
+  ModelRunner(std::unique_ptr<ModelWeights> weights, std::unique_ptr<KvCache> kv_cache,
+              Communicator* communicator);
+  absl::Status PrepareSegment(const SegmentInput& input, SegmentOutput& output, Batch& batch);
+  absl::Status RunLayers(Batch& batch, std::vector<float>& hidden);
+  absl::Status Attention(int64_t layer, Batch& batch, const std::vector<float>& normed,
+                         std::vector<float>& out);
+  absl::Status Mlp(int64_t layer, Batch& batch, const std::vector<float>& normed,
+                   std::vector<float>& out);
+
+  std::unique_ptr<ModelWeights> weights_;
+  std::unique_ptr<KvCache> kv_cache_;
+  Communicator* communicator_;
+  std::vector<float> rope_inv_freq_;
+  float rope_attention_factor_ = 1.0f;
+  float softmax_scale_ = 1.0f;
+};
+
+}  // namespace treeverify::worker

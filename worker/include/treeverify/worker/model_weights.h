@@ -1,0 +1,94 @@
+// One tensor-parallel rank's slice of a DeepSeek-V2/V3/Kimi-K2 checkpoint, as fp32 arrays.
+//
+// The sharding follows DESIGN.md: attention heads split (q_b_proj / q_proj and kv_b_proj rows,
+// o_proj columns), dense MLP split (gate/up rows, down columns), routed experts split inside
+// each expert (every rank holds 1/W of every expert's intermediate columns) or whole experts per
+// rank, shared experts split inside, embedding and LM head split by vocabulary; router, norms and
+// the q_a / kv_a projections replicated. A rank reads only its slice of each tensor.
+//
+//   TV_ASSIGN_OR_RETURN(auto weights, ModelWeights::Load(dir, config, plan));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "treeverify/worker/model_config.h"
+#include "treeverify/worker/segment_tree.h"
+
+namespace treeverify::worker {
+
+enum class ExpertSharding {
+  kSplitInside,   // every rank holds 1/W of every expert: balanced bytes at small batch
+  kWholeExperts,  // expert parallel: rank r holds experts [r*E/W, (r+1)*E/W)
+};
+
+struct ShardingPlan {
+  int rank = 0;
+  int world_size = 1;
+  ExpertSharding expert_sharding = ExpertSharding::kSplitInside;
+
+  ShardRange heads;
+  ShardRange vocab;
+  ShardRange dense_intermediate;
+  ShardRange expert_intermediate;  // columns of each held expert
+  ShardRange shared_intermediate;  // columns of the shared experts' MLP
+  ShardRange experts;              // experts held
+
+  // Every range must be non-empty where the model has that part; errors name the dimension.
+  static absl::StatusOr<ShardingPlan> Make(const ModelConfig& config, int rank, int world_size,
+                                           ExpertSharding expert_sharding);
+};
+
+struct MlpWeights {
+  int64_t intermediate = 0;     // this rank's columns (0: absent)
+  std::vector<float> gate_up;   // [2 * intermediate, hidden]: gate rows, then up rows
+  std::vector<float> down;      // [hidden, intermediate]
+};
+
+struct AttentionWeights {
+  std::vector<float> q_a_proj;    // [q_lora_rank, hidden] (when q_lora_rank is set)
+  std::vector<float> q_a_norm;    // [q_lora_rank]
+  std::vector<float> q_proj;      // [local_heads * qk_head_dim, q_lora_rank or hidden]
+  std::vector<float> kv_a_proj;   // [kv_lora_rank + qk_rope_head_dim, hidden]
+  std::vector<float> kv_a_norm;   // [kv_lora_rank]
+  std::vector<float> w_uk_t;      // [local_heads, kv_lora_rank, qk_nope_head_dim]: q_nope -> latent
+  std::vector<float> w_uv;        // [local_heads, v_head_dim, kv_lora_rank]: latent -> value
+  std::vector<float> o_proj;      // [hidden, local_heads * v_head_dim]
+};
+
+struct MoeWeights {
+  std::vector<float> router;           // [n_routed_experts, hidden]
+  std::vector<float> correction_bias;  // [n_routed_experts] (noaux_tc), else empty
+  // Held experts, in expert order: [intermediate, hidden], [intermediate, hidden],
+  // [hidden, intermediate] each.
+  std::vector<std::vector<float>> gate_proj, up_proj, down_proj;
+  std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;  // into the vectors above
+  MlpWeights shared;                                        // intermediate 0 without shared
+};
+
+struct LayerWeights {
+  std::vector<float> input_norm;  // [hidden]
+  std::vector<float> post_norm;   // [hidden]
+  AttentionWeights attention;
+  bool is_moe = false;
+  MlpWeights dense;  // when !is_moe
+  MoeWeights moe;    // when is_moe
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  ShardingPlan plan;
+  std::vector<float> embedding;   // [vocab shard, hidden]
+  std::vector<float> final_norm;  // [hidden]
+  std::vector<float> lm_head;     // [vocab shard, hidden]
+  std::vector<LayerWeights> layers;
+
+  static absl::StatusOr<std::unique_ptr<ModelWeights>> Load(const std::string& dir,
+                                                            const ModelConfig& config,
+                                                            const ShardingPlan& plan);
+};
+
+}  // namespace treeverify::worker

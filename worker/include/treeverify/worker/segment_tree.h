@@ -1,0 +1,38 @@
+// The shape of one sequence's new rows in a step: a tree (the pending token as root plus draft
+// nodes) or a chain (a prefill chunk). parents[i] is an earlier node, or -1 when node i hangs
+// directly on the committed prefix.
+//
+//   TV_ASSIGN_OR_RETURN(SegmentTree tree, SegmentTree::Build(parents));
+//   position of node i = committed_length + tree.depth[i]
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "treeverify/kernels/mla_verify_attention.h"
+
+namespace treeverify::worker {
+
+struct SegmentTree {
+  std::vector<int32_t> depth;           // [nodes] 0 for nodes on the prefix
+  std::vector<uint64_t> ancestor_mask;  // [nodes, kernels::kAncestorMaskWords] ancestors + self
+
+  // INVALID_ARGUMENT unless 1 <= nodes <= kMaxSegmentRows and every parent is -1 or an earlier
+  // node.
+  static absl::StatusOr<SegmentTree> Build(absl::Span<const int32_t> parents);
+  // A chain of n nodes: parents -1, 0, 1, ..., n-2.
+  static std::vector<int32_t> ChainParents(int32_t n);
+};
+
+// Shard [begin, end) of `total` items for `rank` of `world_size`, balanced (sizes differ by at
+// most one). Used for heads, intermediate columns, experts and the vocabulary.
+struct ShardRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+};
+ShardRange Shard(int64_t total, int world_size, int rank);
+
+}  // namespace treeverify::worker
