@@ -128,8 +128,7 @@ TEST_P(AllReduceTest, SumsInRankOrderBitExactly) {
 
 INSTANTIATE_TEST_SUITE_P(WorldsAndLengths, AllReduceTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                                            ::testing::Values(size_t{1}, size_t{7},
-                                                              size_t{733})));
+                                            ::testing::Values(size_t{1}, size_t{7}, size_t{733})));
 
 TEST(InProcessGroupTest, BackToBackCollectivesDoNotRace) {
   const int world_size = 4;
@@ -158,8 +157,8 @@ TEST(InProcessGroupTest, BackToBackCollectivesDoNotRace) {
 
   auto group = InProcessGroup::Create(world_size);
   ASSERT_NE(group, nullptr);
-  std::vector<std::vector<std::vector<float>>> outputs(
-      calls, std::vector<std::vector<float>>(world_size));
+  std::vector<std::vector<std::vector<float>>> outputs(calls,
+                                                       std::vector<std::vector<float>>(world_size));
   std::vector<std::vector<absl::StatusCode>> codes(
       calls, std::vector<absl::StatusCode>(world_size, absl::StatusCode::kUnknown));
   RunRanks(world_size, [&](int rank) {

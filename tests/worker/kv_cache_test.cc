@@ -46,8 +46,7 @@ int64_t PagesFor(int64_t rows, int64_t page_size) { return (rows + page_size - 1
 // Slot of an absolute position, computed from the public page table.
 int64_t SlotAt(const KvCache& cache, uint64_t seq, int64_t position) {
   const int64_t page_size = cache.options().page_size;
-  return int64_t{cache.page_table(seq)[position / page_size]} * page_size +
-         position % page_size;
+  return int64_t{cache.page_table(seq)[position / page_size]} * page_size + position % page_size;
 }
 
 // A value that differs for every (layer, node, element) and is never zero.
@@ -391,8 +390,8 @@ TEST(KvCacheTest, RandomOperationsMatchAReferenceModel) {
     int64_t commits = 0;
 
     auto reference_pages = [&](const ReferenceSequence& sequence) {
-      return PagesFor(static_cast<int64_t>(sequence.committed[0].size() + sequence.segment[0].size()),
-                      ps);
+      return PagesFor(
+          static_cast<int64_t>(sequence.committed[0].size() + sequence.segment[0].size()), ps);
     };
 
     for (int step = 0; step < 4000; ++step) {

@@ -31,10 +31,10 @@ class InProcessGroup::Member final : public Communicator {
     // Every rank sees the same lengths, so every rank takes the same branch.
     for (int other = 0; other < world; ++other) {
       if (buffers[other].size() != buffers[0].size()) {
-        const absl::Status mismatch = absl::InvalidArgumentError(absl::StrCat(
-            "AllReduceSum: ranks passed different lengths: rank 0 has ", buffers[0].size(),
-            " elements, rank ", other, " has ", buffers[other].size(), " (this is rank ", rank_,
-            ")"));
+        const absl::Status mismatch = absl::InvalidArgumentError(
+            absl::StrCat("AllReduceSum: ranks passed different lengths: rank 0 has ",
+                         buffers[0].size(), " elements, rank ", other, " has ",
+                         buffers[other].size(), " (this is rank ", rank_, ")"));
         group_->barrier_.arrive_and_wait();
         return mismatch;
       }

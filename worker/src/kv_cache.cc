@@ -30,8 +30,8 @@ bool CheckedProduct(std::initializer_list<int64_t> factors, int64_t* product) {
 absl::Status KvCacheOptions::Validate() const {
   // Page ids travel as int32 in page tables (and to the attention kernels).
   if (num_pages <= 0 || num_pages > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KvCacheOptions.num_pages must be in [1, 2147483647], got ", num_pages));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KvCacheOptions.num_pages must be in [1, 2147483647], got ", num_pages));
   }
   if (page_size < 1 || page_size > 4096) {
     return absl::InvalidArgumentError(
@@ -103,9 +103,9 @@ void KvCache::ShrinkTo(Sequence& sequence, int64_t rows) {
 
 absl::Status KvCache::ReserveSegment(uint64_t seq_id, int64_t count) {
   if (count < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "ReserveSegment: sequence 0x%016x asks for %d rows; the count must be >= 0", seq_id,
-        count));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("ReserveSegment: sequence 0x%016x asks for %d rows; the count must be >= 0",
+                        seq_id, count));
   }
   auto it = sequences_.find(seq_id);
   const int64_t committed = it == sequences_.end() ? 0 : it->second.committed_length;
@@ -160,8 +160,7 @@ const std::vector<int32_t>& KvCache::page_table(uint64_t seq_id) const {
 absl::Status KvCache::Commit(uint64_t seq_id, absl::Span<const int32_t> accepted_nodes) {
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) {
-    return absl::NotFoundError(
-        absl::StrFormat("Commit: no KV cache sequence 0x%016x", seq_id));
+    return absl::NotFoundError(absl::StrFormat("Commit: no KV cache sequence 0x%016x", seq_id));
   }
   Sequence& sequence = it->second;
   for (size_t k = 0; k < accepted_nodes.size(); ++k) {
@@ -203,8 +202,7 @@ absl::Status KvCache::Commit(uint64_t seq_id, absl::Span<const int32_t> accepted
 absl::Status KvCache::Release(uint64_t seq_id) {
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) {
-    return absl::NotFoundError(
-        absl::StrFormat("Release: no KV cache sequence 0x%016x", seq_id));
+    return absl::NotFoundError(absl::StrFormat("Release: no KV cache sequence 0x%016x", seq_id));
   }
   ShrinkTo(it->second, 0);
   sequences_.erase(it);

@@ -56,9 +56,7 @@ class KvCache {
 
   // One layer's rows: [num_pages * page_size, row_dim].
   float* layer_data(int64_t layer) { return storage_.data() + layer * layer_elements_; }
-  const float* layer_data(int64_t layer) const {
-    return storage_.data() + layer * layer_elements_;
-  }
+  const float* layer_data(int64_t layer) const { return storage_.data() + layer * layer_elements_; }
 
   int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
   int64_t used_pages() const { return options_.num_pages - free_pages(); }

@@ -1,0 +1,54 @@
+// GPU RMSNorm against the CPU backend (the oracle) on random rows of odd sizes.
+#include "treeverify/kernels/cuda/rms_norm.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "cuda_test_base.h"
+#include "gtest/gtest.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+class CudaRmsNormTest : public CudaTest {};
+
+TEST_F(CudaRmsNormTest, MatchesTheCpuBackend) {
+  const unsigned seed = 2026;
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " on " << device_.name);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.5f);
+  for (int64_t rows : {1, 3, 19}) {
+    for (int64_t dim : {1, 7, 512, 733, 7168}) {
+      std::vector<float> x(rows * dim), w(dim);
+      for (float& v : x) v = dist(rng);
+      for (float& v : w) v = 1.0f + 0.1f * dist(rng);
+      std::vector<float> expected(rows * dim);
+      ASSERT_TRUE(cpu::RmsNorm({.input = x.data(), .weight = w.data(), .output = expected.data(),
+                                .rows = rows, .dim = dim, .eps = 1e-6f})
+                      .ok());
+      DeviceBuffer<float> dx(x.size()), dw(w.size()), dy(x.size());
+      dx.CopyFrom(x);
+      dw.CopyFrom(w);
+      ASSERT_TRUE(RmsNorm({.input = dx.get(), .weight = dw.get(), .output = dy.get(),
+                           .rows = rows, .dim = dim, .eps = 1e-6f},
+                          nullptr)
+                      .ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> actual = dy.ToHost();
+      for (size_t i = 0; i < actual.size(); ++i) {
+        ASSERT_NEAR(actual[i], expected[i], 1e-5f * (1.0f + std::abs(expected[i])))
+            << "rows " << rows << " dim " << dim << " element " << i;
+      }
+    }
+  }
+}
+
+// Parameter checks happen before any CUDA call, so they run without a GPU too.
+TEST(CudaRmsNormParamsTest, RejectsBadShapes) {
+  EXPECT_EQ(RmsNorm({.rows = 1, .dim = 0}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNorm({.rows = 1, .dim = 4}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace treeverify::kernels::cuda
