@@ -51,8 +51,8 @@ double MeasureGemmRate() {
   double best = 0.0;
   for (int i = 0; i < 5; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    (void)kernels::cpu::Gemm({.x = x.data(), .weight = w.data(), .y = y.data(), .m = m, .n = n,
-                              .k = k});
+    (void)kernels::cpu::Gemm(
+        {.x = x.data(), .weight = w.data(), .y = y.data(), .m = m, .n = n, .k = k});
     best = std::max(best, 2.0 * m * n * k / Seconds(std::chrono::steady_clock::now() - start));
   }
   return best;
@@ -61,8 +61,9 @@ double MeasureGemmRate() {
 int64_t WeightCount(const worker::ModelConfig& c) {
   const int64_t h = c.hidden_size;
   const int64_t heads = c.num_attention_heads;
-  int64_t attention = c.kv_row_dim() * h + heads * (c.qk_nope_head_dim + c.v_head_dim) *
-                                               c.kv_lora_rank + h * heads * c.v_head_dim;
+  int64_t attention = c.kv_row_dim() * h +
+                      heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank +
+                      h * heads * c.v_head_dim;
   attention += c.q_lora_rank ? *c.q_lora_rank * h + heads * c.qk_head_dim() * *c.q_lora_rank
                              : heads * c.qk_head_dim() * h;
   int64_t total = 2 * c.vocab_size * h;  // embedding + LM head
@@ -79,7 +80,8 @@ int64_t WeightCount(const worker::ModelConfig& c) {
 }
 
 void BM_CpuVerifyStep(benchmark::State& state) {
-  const std::string dir = (std::filesystem::temp_directory_path() / "treeverify-bench-demo").string();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / "treeverify-bench-demo").string();
   auto spec = tools::PresetSpec("demo");
   if (!spec.ok() || !tools::WriteCheckpoint(dir, *spec).ok()) {
     state.SkipWithError("could not write the demo checkpoint");
@@ -125,9 +127,9 @@ void BM_CpuVerifyStep(benchmark::State& state) {
   const double gemm_rate = MeasureGemmRate();
   const int64_t keys = kPrefix + kTreeNodes;
   const double bytes = 4.0 * WeightCount(c) + 4.0 * c.num_hidden_layers * keys * c.kv_row_dim();
-  const double flops = 2.0 * WeightCount(c) * kTreeNodes +
-                       4.0 * c.num_hidden_layers * kTreeNodes * c.num_attention_heads * keys *
-                           c.kv_row_dim();
+  const double flops = 2.0 * WeightCount(c) * kTreeNodes + 4.0 * c.num_hidden_layers * kTreeNodes *
+                                                               c.num_attention_heads * keys *
+                                                               c.kv_row_dim();
   const double floor = std::max(bytes / bandwidth, flops / gemm_rate);
   state.counters["bytes_modeled"] = bytes;
   state.counters["flops_modeled"] = flops;

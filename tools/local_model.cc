@@ -47,15 +47,15 @@ std::vector<int32_t> AllNodes(size_t n) {
 absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string& model_dir,
                                                                const LocalModelOptions& options) {
   if (options.world_size < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("world_size must be >= 1, got ",
-                                                   options.world_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size must be >= 1, got ", options.world_size));
   }
   if (options.prefill_chunk < 1 || options.prefill_chunk > kernels::kMaxSegmentRows) {
-    return absl::InvalidArgumentError(absl::StrCat("prefill_chunk must be in 1..",
-                                                   kernels::kMaxSegmentRows, ", got ",
-                                                   options.prefill_chunk));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill_chunk must be in 1..", kernels::kMaxSegmentRows, ", got ", options.prefill_chunk));
   }
-  auto group = worker::InProcessGroup::Create(options.world_size);
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<worker::InProcessGroup> group,
+                      worker::InProcessGroup::Create(options.world_size));
   std::vector<std::unique_ptr<worker::ModelRunner>> runners(options.world_size);
   TV_RETURN_IF_ERROR(ForEachRank(options.world_size, [&](int r) -> absl::Status {
     worker::ModelRunnerOptions runner_options;
@@ -64,12 +64,11 @@ absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string
     runner_options.expert_sharding = options.expert_sharding;
     runner_options.kv_page_size = options.kv_page_size;
     runner_options.kv_pages = options.kv_pages;
-    TV_ASSIGN_OR_RETURN(runners[r], worker::ModelRunner::Create(model_dir, runner_options,
-                                                                group->communicator(r)));
+    TV_ASSIGN_OR_RETURN(
+        runners[r], worker::ModelRunner::Create(model_dir, runner_options, group->communicator(r)));
     return absl::OkStatus();
   }));
-  return std::unique_ptr<LocalModel>(
-      new LocalModel(options, std::move(group), std::move(runners)));
+  return std::unique_ptr<LocalModel>(new LocalModel(options, std::move(group), std::move(runners)));
 }
 
 LocalModel::LocalModel(LocalModelOptions options, std::unique_ptr<worker::InProcessGroup> group,

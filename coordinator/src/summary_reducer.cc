@@ -10,8 +10,7 @@ kernels::NodeSummary ReduceSummaries(absl::Span<const kernels::NodeSummary> shar
   full = shards[0];
   for (size_t r = 1; r < shards.size(); ++r) {
     const kernels::NodeSummary& s = shards[r];
-    if (s.max_logit > full.max_logit ||
-        (s.max_logit == full.max_logit && s.argmax < full.argmax)) {
+    if (s.max_logit > full.max_logit || (s.max_logit == full.max_logit && s.argmax < full.argmax)) {
       full.max_logit = s.max_logit;
       full.argmax = s.argmax;
     }

@@ -32,9 +32,9 @@ absl::Status KvAppend(const KvAppendParams& params) {
   if (params.slots == nullptr) return absl::InvalidArgumentError("KvAppend: slots is null");
   if (params.cache == nullptr) return absl::InvalidArgumentError("KvAppend: cache is null");
   for (int64_t i = 0; i < params.count; ++i) {
-    if (params.slots[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("KvAppend: slots[", i, "] must be >= 0, got ", params.slots[i]));
+    if (params.slots[i] < 0 || params.slots[i] >= params.num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("KvAppend: slots[", i, "] = ", params.slots[i],
+                                                     " is outside [0, ", params.num_slots, ")"));
     }
   }
 
@@ -60,13 +60,15 @@ absl::Status KvCopy(const KvCopyParams& params) {
   if (params.dst_slots == nullptr) return absl::InvalidArgumentError("KvCopy: dst_slots is null");
   if (params.cache == nullptr) return absl::InvalidArgumentError("KvCopy: cache is null");
   for (int64_t i = 0; i < params.count; ++i) {
-    if (params.src_slots[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("KvCopy: src_slots[", i, "] must be >= 0, got ", params.src_slots[i]));
+    if (params.src_slots[i] < 0 || params.src_slots[i] >= params.num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("KvCopy: src_slots[", i,
+                                                     "] = ", params.src_slots[i],
+                                                     " is outside [0, ", params.num_slots, ")"));
     }
-    if (params.dst_slots[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("KvCopy: dst_slots[", i, "] must be >= 0, got ", params.dst_slots[i]));
+    if (params.dst_slots[i] < 0 || params.dst_slots[i] >= params.num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("KvCopy: dst_slots[", i,
+                                                     "] = ", params.dst_slots[i],
+                                                     " is outside [0, ", params.num_slots, ")"));
     }
   }
 

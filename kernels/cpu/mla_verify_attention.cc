@@ -9,6 +9,8 @@
 // Roofline (per sequence, per step): bytes = (L + Q) * 576 * 4 read once per (row, head) here;
 // this is the oracle, not the fast path — the CUDA kernel packs (row, head) pairs into tiles so
 // each KV byte is read once per tile.
+#include "treeverify/kernels/mla_verify_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -16,7 +18,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "simd.h"
-#include "treeverify/kernels/mla_verify_attention.h"
 
 namespace treeverify::kernels::cpu {
 namespace {
@@ -38,16 +39,13 @@ absl::Status Validate(const MlaVerifyParams<float>& p) {
     const int32_t rows = p.row_offsets[b + 1] - p.row_offsets[b];
     if (rows < 0 || rows > kMaxSegmentRows) {
       return absl::InvalidArgumentError(absl::StrCat("MlaVerifyAttention: sequence ", b, " has ",
-                                                     rows, " rows; expected 0..",
-                                                     kMaxSegmentRows));
+                                                     rows, " rows; expected 0..", kMaxSegmentRows));
     }
     const int64_t keys = int64_t{p.committed_lengths[b]} + rows;
-    if (p.committed_lengths[b] < 0 ||
-        keys > int64_t{p.max_pages_per_seq} * p.page_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("MlaVerifyAttention: sequence ", b, " needs ", keys,
-                       " key slots but its page table holds ",
-                       int64_t{p.max_pages_per_seq} * p.page_size));
+    if (p.committed_lengths[b] < 0 || keys > int64_t{p.max_pages_per_seq} * p.page_size) {
+      return absl::InvalidArgumentError(absl::StrCat("MlaVerifyAttention: sequence ", b, " needs ",
+                                                     keys, " key slots but its page table holds ",
+                                                     int64_t{p.max_pages_per_seq} * p.page_size));
     }
   }
   return absl::OkStatus();

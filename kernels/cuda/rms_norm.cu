@@ -9,8 +9,7 @@ absl::Status RmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   const int64_t output_stride = p.output_stride ? p.output_stride : p.dim;
   if (p.rows < 0 || p.dim <= 0 || input_stride < p.dim || output_stride < p.dim) {
     return absl::InvalidArgumentError(absl::StrCat("cuda::RmsNorm: rows=", p.rows, " dim=", p.dim,
-                                                   " strides=", input_stride, "/",
-                                                   output_stride));
+                                                   " strides=", input_stride, "/", output_stride));
   }
   if (p.rows == 0) return absl::OkStatus();
   if (p.input == nullptr || p.weight == nullptr || p.output == nullptr) {

@@ -715,7 +715,8 @@ TEST(KvCacheOpsTest, AppendWritesRowsToTheirSlots) {
                                .cache = cache.data(),
                                .count = count,
                                .row_dim = row_dim,
-                               .row_stride = row_stride})
+                               .row_stride = row_stride,
+                               .num_slots = num_slots})
                     .ok());
     std::vector<float> expected = before;
     for (int64_t i = 0; i < count; ++i) {
@@ -742,7 +743,8 @@ TEST(KvCacheOpsTest, CopyRunsInOrderSoCompactionIsSafe) {
                            .dst_slots = dst.data(),
                            .cache = cache.data(),
                            .count = 5,
-                           .row_dim = row_dim})
+                           .row_dim = row_dim,
+                           .num_slots = num_slots})
                   .ok());
   for (int64_t slot = 0; slot < num_slots; ++slot) {
     int64_t source = slot;  // untouched unless some copy wrote it
@@ -758,8 +760,12 @@ TEST(KvCacheOpsTest, CopyRunsInOrderSoCompactionIsSafe) {
 TEST(KvCacheOpsTest, RejectsInvalidParams) {
   std::vector<float> cache(32, 1.0f), rows(8, 2.0f);
   std::vector<int64_t> slots = {1, 2};
-  const KvAppendParams good_append{
-      .rows = rows.data(), .slots = slots.data(), .cache = cache.data(), .count = 2, .row_dim = 4};
+  const KvAppendParams good_append{.rows = rows.data(),
+                                   .slots = slots.data(),
+                                   .cache = cache.data(),
+                                   .count = 2,
+                                   .row_dim = 4,
+                                   .num_slots = 8};
   EXPECT_TRUE(cpu::KvAppend(good_append).ok());
   KvAppendParams a = good_append;
   a.row_dim = 0;
@@ -785,7 +791,8 @@ TEST(KvCacheOpsTest, RejectsInvalidParams) {
                                .dst_slots = dst.data(),
                                .cache = cache.data(),
                                .count = 2,
-                               .row_dim = 4};
+                               .row_dim = 4,
+                               .num_slots = 8};
   EXPECT_TRUE(cpu::KvCopy(good_copy).ok());
   KvCopyParams c = good_copy;
   c.row_dim = -4;
@@ -810,6 +817,15 @@ TEST(KvCacheOpsTest, RejectsInvalidParams) {
   src[0] = 4;
   dst[1] = -2;
   ExpectInvalid(cpu::KvCopy(good_copy), "dst_slots[1]");
+  dst[1] = 1;
+  // Slots past the end of the cache are refused before anything is written.
+  slots[1] = 8;
+  ExpectInvalid(cpu::KvAppend(good_append), "slots[1] = 8 is outside [0, 8)");
+  src[1] = 8;
+  ExpectInvalid(cpu::KvCopy(good_copy), "src_slots[1] = 8 is outside [0, 8)");
+  src[1] = 5;
+  dst[0] = 9;
+  ExpectInvalid(cpu::KvCopy(good_copy), "dst_slots[0] = 9 is outside [0, 8)");
 }
 
 }  // namespace

@@ -28,8 +28,8 @@ TEST_P(GemmShapeTest, MatchesDoublePrecisionReference) {
   const std::vector<float> x = Random(size_t(m) * k, rng);
   const std::vector<float> w = Random(size_t(n) * k, rng);
   std::vector<float> y(size_t(m) * n, NAN);
-  ASSERT_TRUE(cpu::Gemm({.x = x.data(), .weight = w.data(), .y = y.data(), .m = m, .n = n, .k = k})
-                  .ok());
+  ASSERT_TRUE(
+      cpu::Gemm({.x = x.data(), .weight = w.data(), .y = y.data(), .m = m, .n = n, .k = k}).ok());
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
       double expected = 0.0;
@@ -58,14 +58,18 @@ TEST(GemmTest, RowsAreBitIdenticalWhateverTheBatch) {
   const std::vector<float> x = Random(size_t(m) * k, rng);
   const std::vector<float> w = Random(size_t(n) * k, rng);
   std::vector<float> batched(size_t(m) * n);
-  ASSERT_TRUE(cpu::Gemm({.x = x.data(), .weight = w.data(), .y = batched.data(), .m = m, .n = n,
-                         .k = k})
-                  .ok());
+  ASSERT_TRUE(
+      cpu::Gemm({.x = x.data(), .weight = w.data(), .y = batched.data(), .m = m, .n = n, .k = k})
+          .ok());
   for (int batch : {1, 2, 4}) {
     for (int first = 0; first + batch <= m; first += batch) {
       std::vector<float> part(size_t(batch) * n);
-      ASSERT_TRUE(cpu::Gemm({.x = x.data() + size_t(first) * k, .weight = w.data(),
-                             .y = part.data(), .m = batch, .n = n, .k = k})
+      ASSERT_TRUE(cpu::Gemm({.x = x.data() + size_t(first) * k,
+                             .weight = w.data(),
+                             .y = part.data(),
+                             .m = batch,
+                             .n = n,
+                             .k = k})
                       .ok());
       EXPECT_EQ(0, std::memcmp(part.data(), batched.data() + size_t(first) * n,
                                part.size() * sizeof(float)))
@@ -74,8 +78,12 @@ TEST(GemmTest, RowsAreBitIdenticalWhateverTheBatch) {
   }
   // Columns too: a slice of the weight gives bit-identical columns.
   std::vector<float> column(m);
-  ASSERT_TRUE(cpu::Gemm({.x = x.data(), .weight = w.data() + size_t(5) * k, .y = column.data(),
-                         .m = m, .n = 1, .k = k})
+  ASSERT_TRUE(cpu::Gemm({.x = x.data(),
+                         .weight = w.data() + size_t(5) * k,
+                         .y = column.data(),
+                         .m = m,
+                         .n = 1,
+                         .k = k})
                   .ok());
   for (int i = 0; i < m; ++i) EXPECT_EQ(column[i], batched[size_t(i) * n + 5]);
 }
@@ -86,8 +94,14 @@ TEST(GemmTest, HonoursStrides) {
   const std::vector<float> x = Random(size_t(m) * x_stride, rng);
   const std::vector<float> w = Random(size_t(n) * k, rng);
   std::vector<float> y(size_t(m) * y_stride, -7.0f);
-  ASSERT_TRUE(cpu::Gemm({.x = x.data(), .weight = w.data(), .y = y.data(), .m = m, .n = n,
-                         .k = k, .x_stride = x_stride, .y_stride = y_stride})
+  ASSERT_TRUE(cpu::Gemm({.x = x.data(),
+                         .weight = w.data(),
+                         .y = y.data(),
+                         .m = m,
+                         .n = n,
+                         .k = k,
+                         .x_stride = x_stride,
+                         .y_stride = y_stride})
                   .ok());
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < y_stride; ++j) {
@@ -104,15 +118,15 @@ TEST(GemmTest, HonoursStrides) {
 
 TEST(GemmTest, RejectsBadParams) {
   float buffer[4] = {1, 2, 3, 4};
-  const absl::Status negative = cpu::Gemm({.x = buffer, .weight = buffer, .y = buffer, .m = 1,
-                                           .n = 0, .k = 1});
+  const absl::Status negative =
+      cpu::Gemm({.x = buffer, .weight = buffer, .y = buffer, .m = 1, .n = 0, .k = 1});
   EXPECT_EQ(negative.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(negative.message()), testing::HasSubstr("n > 0"));
-  const absl::Status null = cpu::Gemm({.x = nullptr, .weight = buffer, .y = buffer, .m = 1,
-                                       .n = 1, .k = 1});
+  const absl::Status null =
+      cpu::Gemm({.x = nullptr, .weight = buffer, .y = buffer, .m = 1, .n = 1, .k = 1});
   EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument);
-  const absl::Status stride = cpu::Gemm({.x = buffer, .weight = buffer, .y = buffer, .m = 1,
-                                         .n = 1, .k = 4, .x_stride = 2});
+  const absl::Status stride = cpu::Gemm(
+      {.x = buffer, .weight = buffer, .y = buffer, .m = 1, .n = 1, .k = 4, .x_stride = 2});
   EXPECT_EQ(stride.code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -44,7 +44,8 @@ class AttentionFixture {
   void AddSequence(int32_t committed, std::vector<int32_t> parents) {
     Sequence s{committed, std::move(parents), {}};
     const int32_t slots = committed + static_cast<int32_t>(s.parents.size());
-    for (int32_t p = 0; p < (slots + kPageSize - 1) / kPageSize; ++p) s.pages.push_back(next_page_++);
+    for (int32_t p = 0; p < (slots + kPageSize - 1) / kPageSize; ++p)
+      s.pages.push_back(next_page_++);
     sequences_.push_back(std::move(s));
   }
 
@@ -99,8 +100,8 @@ class AttentionFixture {
   }
 
   const float* KeyRow(const Sequence& s, int32_t slot) const {
-    return cache_.data() + (size_t(s.pages[slot / kPageSize]) * kPageSize + slot % kPageSize) *
-                               kRowDim;
+    return cache_.data() +
+           (size_t(s.pages[slot / kPageSize]) * kPageSize + slot % kPageSize) * kRowDim;
   }
 
   std::mt19937 rng_;
@@ -123,10 +124,10 @@ TEST(MlaVerifyAttentionTest, MatchesDoublePrecisionReference) {
   const unsigned seed = 77;
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   AttentionFixture f(seed);
-  f.AddSequence(0, {-1});                       // first token of a sequence: only itself
-  f.AddSequence(7, RandomTree(19, f.rng_));     // crosses page boundaries
-  f.AddSequence(33, RandomTree(1, f.rng_));     // a plain decode step
-  f.AddSequence(5, RandomTree(130, f.rng_));    // masks beyond the first 64-bit word
+  f.AddSequence(0, {-1});                     // first token of a sequence: only itself
+  f.AddSequence(7, RandomTree(19, f.rng_));   // crosses page boundaries
+  f.AddSequence(33, RandomTree(1, f.rng_));   // a plain decode step
+  f.AddSequence(5, RandomTree(130, f.rng_));  // masks beyond the first 64-bit word
   f.Fill();
   ASSERT_TRUE(cpu::MlaVerifyAttention(f.Params(f.sequences_, f.q_.data())).ok());
 
@@ -137,7 +138,8 @@ TEST(MlaVerifyAttentionTest, MatchesDoublePrecisionReference) {
       std::vector<int32_t> slots(s.committed);
       std::iota(slots.begin(), slots.end(), 0);
       for (size_t j = 0; j < s.parents.size(); ++j)
-        if (masks[i * kAncestorMaskWords + j / 64] >> (j % 64) & 1) slots.push_back(s.committed + j);
+        if (masks[i * kAncestorMaskWords + j / 64] >> (j % 64) & 1)
+          slots.push_back(s.committed + j);
       for (int h = 0; h < kHeads; ++h) {
         const float* q = f.q_.data() + (row * kHeads + h) * kRowDim;
         std::vector<double> scores;
@@ -153,7 +155,8 @@ TEST(MlaVerifyAttentionTest, MatchesDoublePrecisionReference) {
         EXPECT_NEAR(f.lse_[row * kHeads + h], max_score + std::log(sum), 1e-5);
         for (int c = 0; c < kLatent; ++c) {
           double expected = 0.0;
-          for (size_t j = 0; j < slots.size(); ++j) expected += scores[j] / sum * f.KeyRow(s, slots[j])[c];
+          for (size_t j = 0; j < slots.size(); ++j)
+            expected += scores[j] / sum * f.KeyRow(s, slots[j])[c];
           ASSERT_NEAR(f.out_[(row * kHeads + h) * kLatent + c], expected, 1e-5)
               << "row " << row << " head " << h << " dim " << c;
         }
@@ -189,7 +192,8 @@ TEST(MlaVerifyAttentionTest, TreeNodeEqualsChainOfItsPathBitForBit) {
     f.cache_.resize(f.cache_.size() + size_t(pages) * kPageSize * kRowDim);
     for (int32_t p = 0; p < pages; ++p) chain.pages.push_back(first_new_page + p);
     for (int32_t slot = 0; slot < slots; ++slot) {
-      const int32_t source = slot < tree.committed ? slot : tree.committed + path[slot - tree.committed];
+      const int32_t source =
+          slot < tree.committed ? slot : tree.committed + path[slot - tree.committed];
       std::memcpy(const_cast<float*>(f.KeyRow(chain, slot)), f.KeyRow(tree, source),
                   kRowDim * sizeof(float));
     }

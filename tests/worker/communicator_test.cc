@@ -83,13 +83,14 @@ TEST(SoloCommunicatorTest, IsTheIdentity) {
 }
 
 TEST(InProcessGroupTest, RejectsAnEmptyWorld) {
-  EXPECT_EQ(InProcessGroup::Create(0), nullptr);
-  EXPECT_EQ(InProcessGroup::Create(-1), nullptr);
+  EXPECT_EQ(InProcessGroup::Create(0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(InProcessGroup::Create(-1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(InProcessGroupTest, MembersKnowTheirRank) {
-  auto group = InProcessGroup::Create(3);
-  ASSERT_NE(group, nullptr);
+  auto created = InProcessGroup::Create(3);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<InProcessGroup> group = std::move(*created);
   EXPECT_EQ(group->world_size(), 3);
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_EQ(group->communicator(rank)->rank(), rank);
@@ -111,8 +112,9 @@ TEST_P(AllReduceTest, SumsInRankOrderBitExactly) {
   for (int rank = 0; rank < world_size; ++rank) inputs.push_back(RandomData(rng, length));
   const std::vector<float> expected = RankOrderSum(inputs);
 
-  auto group = InProcessGroup::Create(world_size);
-  ASSERT_NE(group, nullptr);
+  auto created = InProcessGroup::Create(world_size);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<InProcessGroup> group = std::move(*created);
   std::vector<std::vector<float>> outputs = inputs;
   std::vector<absl::Status> statuses(world_size);
   RunRanks(world_size, [&](int rank) {
@@ -155,8 +157,9 @@ TEST(InProcessGroupTest, BackToBackCollectivesDoNotRace) {
   std::vector<uint32_t> rank_seeds;
   for (int rank = 0; rank < world_size; ++rank) rank_seeds.push_back(static_cast<uint32_t>(rng()));
 
-  auto group = InProcessGroup::Create(world_size);
-  ASSERT_NE(group, nullptr);
+  auto created = InProcessGroup::Create(world_size);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<InProcessGroup> group = std::move(*created);
   std::vector<std::vector<std::vector<float>>> outputs(calls,
                                                        std::vector<std::vector<float>>(world_size));
   std::vector<std::vector<absl::StatusCode>> codes(
@@ -193,8 +196,9 @@ TEST(InProcessGroupTest, BackToBackCollectivesDoNotRace) {
 
 TEST(InProcessGroupTest, MismatchedLengthsFailOnEveryRankAndTheGroupRecovers) {
   const int world_size = 3;
-  auto group = InProcessGroup::Create(world_size);
-  ASSERT_NE(group, nullptr);
+  auto created = InProcessGroup::Create(world_size);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<InProcessGroup> group = std::move(*created);
 
   std::vector<std::vector<float>> buffers = {{1, 2, 3, 4, 5}, {1, 2, 3, 4, 5}, {1, 2, 3, 4, 5, 6}};
   const std::vector<std::vector<float>> before = buffers;

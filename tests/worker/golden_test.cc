@@ -24,8 +24,8 @@ constexpr double kTolerance = 2e-3;
 
 struct GoldenPrompt {
   int prompt_length = 0;
-  std::vector<int32_t> tokens;        // prompt + reference continuation
-  std::vector<float> log_softmax;     // [tokens, vocab]
+  std::vector<int32_t> tokens;     // prompt + reference continuation
+  std::vector<float> log_softmax;  // [tokens, vocab]
 };
 
 std::vector<GoldenPrompt> LoadGolden(const std::string& dir, int64_t vocab) {
@@ -44,7 +44,8 @@ std::vector<GoldenPrompt> LoadGolden(const std::string& dir, int64_t vocab) {
     const std::string name = "prompt" + std::to_string(p) + ".log_softmax";
     const TensorInfo& info = (*file)->tensors().at(name);
     EXPECT_EQ(info.dtype, DType::kF32);
-    EXPECT_EQ(info.shape, (std::vector<int64_t>{static_cast<int64_t>(prompt.tokens.size()), vocab}));
+    EXPECT_EQ(info.shape,
+              (std::vector<int64_t>{static_cast<int64_t>(prompt.tokens.size()), vocab}));
     auto data = (*file)->Data(name);
     EXPECT_TRUE(data.ok());
     prompt.log_softmax.resize(prompt.tokens.size() * vocab);
@@ -135,20 +136,21 @@ TEST_P(GoldenTest, GreedyDecodingReproducesTheContinuation) {
                                       golden.tokens.begin() + golden.prompt_length);
     const std::vector<int32_t> continuation(golden.tokens.begin() + golden.prompt_length,
                                             golden.tokens.end());
-    auto generation = (*model)->GenerateGreedy(200 + p, prompt,
-                                               static_cast<int>(continuation.size()));
+    auto generation =
+        (*model)->GenerateGreedy(200 + p, prompt, static_cast<int>(continuation.size()));
     ASSERT_TRUE(generation.ok()) << generation.status();
     EXPECT_EQ(generation->tokens, continuation) << "prompt " << p;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fixtures, GoldenTest,
-    testing::Combine(testing::Values("deepseek_v3_tiny", "kimi_k2_tiny", "deepseek_v2_lite_tiny"),
-                     testing::Values(1, 2)),
-    [](const testing::TestParamInfo<GoldenTest::ParamType>& info) {
-      return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest,
+                         testing::Combine(testing::Values("deepseek_v3_tiny", "kimi_k2_tiny",
+                                                          "deepseek_v2_lite_tiny"),
+                                          testing::Values(1, 2)),
+                         [](const testing::TestParamInfo<GoldenTest::ParamType>& info) {
+                           return std::get<0>(info.param) + "_tp" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace treeverify::worker

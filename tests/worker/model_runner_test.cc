@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -28,8 +30,8 @@ std::string ModelDir(const std::string& preset) {
   static std::map<std::string, std::string>* dirs = new std::map<std::string, std::string>;
   auto it = dirs->find(preset);
   if (it != dirs->end()) return it->second;
-  const std::string dir = testing::TempDir() + "/model_runner_test_" + preset + "_" +
-                          std::to_string(::getpid());
+  const std::string dir =
+      testing::TempDir() + "/model_runner_test_" + preset + "_" + std::to_string(::getpid());
   auto spec = tools::PresetSpec(preset);
   EXPECT_TRUE(spec.ok()) << spec.status();
   const absl::Status written = tools::WriteCheckpoint(dir, *spec);
@@ -165,16 +167,18 @@ TEST(ModelRunnerTest, SummariesAreBatchInvariant) {
   ASSERT_TRUE(alone.status.ok());
 
   ForwardRequest batch;
-  batch.segments.push_back({.sequence_id = 3, .token_ids = RandomTokens(40, vocab, rng),
+  batch.segments.push_back({.sequence_id = 3,
+                            .token_ids = RandomTokens(40, vocab, rng),
                             .parents = RandomParents(40, true, rng)});
   batch.segments.push_back({.sequence_id = 2, .token_ids = tokens, .parents = parents});
-  batch.segments.push_back({.sequence_id = 4, .token_ids = RandomTokens(3, vocab, rng),
-                            .parents = {-1, 0, 0}});
+  batch.segments.push_back(
+      {.sequence_id = 4, .token_ids = RandomTokens(3, vocab, rng), .parents = {-1, 0, 0}});
   auto together = model->Forward(batch);
   ASSERT_TRUE(together.ok()) << together.status();
   for (const LocalSegmentResult& r : *together) ASSERT_TRUE(r.status.ok()) << r.status;
   for (size_t n = 0; n < tokens.size(); ++n) {
-    ExpectBitIdentical(alone.summaries[n], (*together)[1].summaries[n], "node " + std::to_string(n));
+    ExpectBitIdentical(alone.summaries[n], (*together)[1].summaries[n],
+                       "node " + std::to_string(n));
   }
 }
 
@@ -188,11 +192,12 @@ struct Reference {
 Reference RunReference(LocalModel& model, const std::vector<int32_t>& prompt,
                        const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents) {
   Reference ref;
-  const LocalSegmentResult prefill = ForwardOne(
-      model,
-      {.sequence_id = 1, .token_ids = prompt,
-       .parents = SegmentTree::ChainParents(static_cast<int32_t>(prompt.size()))},
-      /*logits=*/true);
+  const LocalSegmentResult prefill =
+      ForwardOne(model,
+                 {.sequence_id = 1,
+                  .token_ids = prompt,
+                  .parents = SegmentTree::ChainParents(static_cast<int32_t>(prompt.size()))},
+                 /*logits=*/true);
   EXPECT_TRUE(prefill.status.ok()) << prefill.status;
   std::vector<int32_t> all(prompt.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int32_t>(i);
@@ -282,10 +287,10 @@ TEST(ModelRunnerTest, CommitEqualsFreshForwardAndReleaseFreesAll) {
   const int32_t next_token = 77;
 
   ASSERT_TRUE(model->Prefill(1, prefix).ok());
-  ASSERT_TRUE(ForwardOne(*model, {.sequence_id = 1, .token_ids = tokens, .parents = parents})
-                  .status.ok());
-  SegmentInput next{.sequence_id = 1, .commit_nodes = accepted, .token_ids = {next_token},
-                    .parents = {-1}};
+  ASSERT_TRUE(
+      ForwardOne(*model, {.sequence_id = 1, .token_ids = tokens, .parents = parents}).status.ok());
+  SegmentInput next{
+      .sequence_id = 1, .commit_nodes = accepted, .token_ids = {next_token}, .parents = {-1}};
   next.expected_committed_length = 21 + 4;
   const LocalSegmentResult after_commit = ForwardOne(*model, next);
   ASSERT_TRUE(after_commit.status.ok()) << after_commit.status;
@@ -331,7 +336,8 @@ TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {
   ASSERT_TRUE(model->Release(1).ok());
 
   ForwardRequest request;
-  request.segments.push_back({.sequence_id = 10, .token_ids = RandomTokens(100, vocab, rng),
+  request.segments.push_back({.sequence_id = 10,
+                              .token_ids = RandomTokens(100, vocab, rng),
                               .parents = SegmentTree::ChainParents(100)});
   request.segments.push_back({.sequence_id = 2, .token_ids = tokens, .parents = parents});
   request.segments.push_back({.sequence_id = 11, .token_ids = {1, vocab}, .parents = {-1, 0}});
@@ -349,6 +355,42 @@ TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {
   }
   // Only sequence 2 holds pages now.
   EXPECT_EQ(model->rank(0).kv_cache().used_pages(), 1);
+}
+
+}  // namespace
+}  // namespace treeverify::worker
+
+namespace treeverify::worker {
+namespace {
+
+// A checkpoint whose tensors do not fit its config.json is refused at load, naming the tensor.
+TEST(ModelRunnerLoadTest, TensorShapesMustMatchTheConfig) {
+  auto spec = tools::PresetSpec("tiny-v3");
+  ASSERT_TRUE(spec.ok());
+  const std::string dir = testing::TempDir() + "/model_runner_shape_" + std::to_string(::getpid());
+  ASSERT_TRUE(tools::WriteCheckpoint(dir, *spec).ok());
+  // Same weights, but a config that claims a wider latent cache.
+  std::ifstream in(dir + "/config.json");
+  std::string config((std::istreambuf_iterator<char>(in)), {});
+  const std::string field = "\"kv_lora_rank\": 32";
+  ASSERT_NE(config.find(field), std::string::npos) << config;
+  config.replace(config.find(field), field.size(), "\"kv_lora_rank\": 48");
+  std::ofstream(dir + "/config.json") << config;
+
+  SoloCommunicator solo;
+  auto runner = ModelRunner::Create(dir, {}, &solo);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(runner.status().message()),
+              testing::AllOf(testing::HasSubstr("kv_a_proj_with_mqa.weight"),
+                             testing::HasSubstr("expected [56, 64]")));
+
+  // Tensor parallelism that cannot split the heads is refused, naming the dimension.
+  tools::LocalModelOptions options;
+  options.world_size = 8;  // tiny-v3 has 4 heads
+  auto model = LocalModel::Create(ModelDir("tiny-v3"), options);
+  ASSERT_FALSE(model.ok());
+  EXPECT_THAT(std::string(model.status().message()), testing::HasSubstr("num_attention_heads"));
 }
 
 }  // namespace

@@ -42,8 +42,8 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     int32_t id = 0;
     if (!absl::SimpleAtoi(part, &id)) {
-      return absl::InvalidArgumentError(absl::StrFormat("--prompt-ids: '%s' is not an integer",
-                                                        std::string(part)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--prompt-ids: '%s' is not an integer", std::string(part)));
     }
     ids.push_back(id);
   }
@@ -64,9 +64,9 @@ absl::Status Generate() {
     return absl::InvalidArgumentError("--expert-sharding must be 'split' or 'whole'");
   }
   TV_ASSIGN_OR_RETURN(std::unique_ptr<LocalModel> model, LocalModel::Create(model_dir, options));
-  TV_ASSIGN_OR_RETURN(Generation generation,
-                      model->GenerateGreedy(/*sequence_id=*/1, prompt,
-                                            absl::GetFlag(FLAGS_max_new_tokens)));
+  TV_ASSIGN_OR_RETURN(
+      Generation generation,
+      model->GenerateGreedy(/*sequence_id=*/1, prompt, absl::GetFlag(FLAGS_max_new_tokens)));
   if (absl::GetFlag(FLAGS_json)) {
     nlohmann::json out = {{"tokens", generation.tokens}, {"logprobs", generation.logprobs}};
     std::printf("%s\n", out.dump().c_str());

@@ -59,8 +59,11 @@ class InProcessGroup::Member final : public Communicator {
   int rank_;
 };
 
-std::unique_ptr<InProcessGroup> InProcessGroup::Create(int world_size) {
-  if (world_size < 1) return nullptr;
+absl::StatusOr<std::unique_ptr<InProcessGroup>> InProcessGroup::Create(int world_size) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an in-process group needs at least 1 rank, got ", world_size));
+  }
   return std::unique_ptr<InProcessGroup>(new InProcessGroup(world_size));
 }
 

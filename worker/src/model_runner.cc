@@ -45,9 +45,8 @@ absl::Status ModelRunnerOptions::Validate() const {
         absl::StrCat("rank ", rank, " is not within a world of ", world_size, " ranks"));
   }
   if (kv_page_size < 1 || kv_pages < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_page_size (", kv_page_size,
-                                                   ") and kv_pages (", kv_pages,
-                                                   ") must be positive"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_page_size (", kv_page_size, ") and kv_pages (", kv_pages, ") must be positive"));
   }
   return absl::OkStatus();
 }
@@ -61,9 +60,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const std::stri
     return absl::InvalidArgumentError("the communicator does not match the runner's rank/world");
   }
   TV_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::FromFile(model_dir + "/config.json"));
-  TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, options.rank,
-                                                            options.world_size,
-                                                            options.expert_sharding));
+  TV_ASSIGN_OR_RETURN(
+      ShardingPlan plan,
+      ShardingPlan::Make(config, options.rank, options.world_size, options.expert_sharding));
   TV_ASSIGN_OR_RETURN(std::unique_ptr<ModelWeights> weights,
                       ModelWeights::Load(model_dir, config, plan));
   KvCacheOptions cache_options;
@@ -93,8 +92,8 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
   const uint64_t id = input.sequence_id;
   const int64_t nodes = static_cast<int64_t>(input.token_ids.size());
   if (static_cast<int64_t>(input.parents.size()) != nodes) {
-    return absl::InvalidArgumentError(absl::StrCat(nodes, " token ids but ",
-                                                   input.parents.size(), " parents"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(nodes, " token ids but ", input.parents.size(), " parents"));
   }
   std::optional<SegmentTree> tree;
   if (nodes > 0) {
@@ -155,8 +154,8 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   if (batch.rows() == 0) return result;
 
   for (int32_t s = 0; s < batch.sequences(); ++s) {
-    const size_t pages = kv_cache_->page_table(request.segments[batch.segment_of_sequence[s]]
-                                                   .sequence_id).size();
+    const size_t pages =
+        kv_cache_->page_table(request.segments[batch.segment_of_sequence[s]].sequence_id).size();
     batch.max_pages = std::max(batch.max_pages, static_cast<int32_t>(pages));
   }
   batch.page_table.assign(int64_t{batch.sequences()} * batch.max_pages, 0);
@@ -169,13 +168,14 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   const int64_t rows = batch.rows();
   const int64_t hidden_size = c.hidden_size;
   std::vector<float> hidden(rows * hidden_size);
-  TV_RETURN_IF_ERROR(cpu::Embedding({.token_ids = batch.token_ids.data(),
-                                     .table = weights_->embedding.data(),
-                                     .out = hidden.data(),
-                                     .tokens = rows,
-                                     .hidden = hidden_size,
-                                     .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin),
-                                     .vocab_end = static_cast<int32_t>(weights_->plan.vocab.end)}));
+  TV_RETURN_IF_ERROR(
+      cpu::Embedding({.token_ids = batch.token_ids.data(),
+                      .table = weights_->embedding.data(),
+                      .out = hidden.data(),
+                      .tokens = rows,
+                      .hidden = hidden_size,
+                      .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin),
+                      .vocab_end = static_cast<int32_t>(weights_->plan.vocab.end)}));
   TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(hidden)));
   TV_RETURN_IF_ERROR(RunLayers(batch, hidden));
 
@@ -194,12 +194,12 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
                                 .n = vocab_shard,
                                 .k = hidden_size}));
   std::vector<kernels::NodeSummary> summaries(rows);
-  TV_RETURN_IF_ERROR(cpu::LmHeadSummary(
-      {.logits = logits.data(),
-       .out = summaries.data(),
-       .rows = rows,
-       .vocab_shard = vocab_shard,
-       .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin)}));
+  TV_RETURN_IF_ERROR(
+      cpu::LmHeadSummary({.logits = logits.data(),
+                          .out = summaries.data(),
+                          .rows = rows,
+                          .vocab_shard = vocab_shard,
+                          .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin)}));
 
   for (int32_t s = 0; s < batch.sequences(); ++s) {
     SegmentOutput& output = result.segments[batch.segment_of_sequence[s]];
@@ -207,7 +207,8 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
     const int64_t end = batch.row_offsets[s + 1];
     output.summaries.assign(summaries.begin() + begin, summaries.begin() + end);
     if (request.return_logits) {
-      output.logits.assign(logits.begin() + begin * vocab_shard, logits.begin() + end * vocab_shard);
+      output.logits.assign(logits.begin() + begin * vocab_shard,
+                           logits.begin() + end * vocab_shard);
     }
   }
   return result;
@@ -262,17 +263,31 @@ absl::Status ModelRunner::Attention(int64_t layer_index, Batch& batch,
   if (c.q_lora_rank) {
     const int64_t q_lora = *c.q_lora_rank;
     std::vector<float> q_a(rows * q_lora);
-    TV_RETURN_IF_ERROR(cpu::Gemm(
-        {.x = normed.data(), .weight = w.q_a_proj.data(), .y = q_a.data(), .m = rows,
-         .n = q_lora, .k = hidden}));
-    TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = q_a.data(), .weight = w.q_a_norm.data(),
-                                     .output = q_a.data(), .rows = rows, .dim = q_lora,
+    TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(),
+                                  .weight = w.q_a_proj.data(),
+                                  .y = q_a.data(),
+                                  .m = rows,
+                                  .n = q_lora,
+                                  .k = hidden}));
+    TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = q_a.data(),
+                                     .weight = w.q_a_norm.data(),
+                                     .output = q_a.data(),
+                                     .rows = rows,
+                                     .dim = q_lora,
                                      .eps = kLatentNormEps}));
-    TV_RETURN_IF_ERROR(cpu::Gemm({.x = q_a.data(), .weight = w.q_proj.data(), .y = q.data(),
-                                  .m = rows, .n = heads * qk, .k = q_lora}));
+    TV_RETURN_IF_ERROR(cpu::Gemm({.x = q_a.data(),
+                                  .weight = w.q_proj.data(),
+                                  .y = q.data(),
+                                  .m = rows,
+                                  .n = heads * qk,
+                                  .k = q_lora}));
   } else {
-    TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(), .weight = w.q_proj.data(), .y = q.data(),
-                                  .m = rows, .n = heads * qk, .k = hidden}));
+    TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(),
+                                  .weight = w.q_proj.data(),
+                                  .y = q.data(),
+                                  .m = rows,
+                                  .n = heads * qk,
+                                  .k = hidden}));
   }
 
   // Absorbed queries [rows, heads, lora + rope]: q_nope through W_UK into the latent space, then
@@ -305,11 +320,19 @@ absl::Status ModelRunner::Attention(int64_t layer_index, Batch& batch,
 
   // The new rows' latent KV: normalized latent, rotated shared key; into the cache.
   std::vector<float> kv(rows * row_dim);
-  TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(), .weight = w.kv_a_proj.data(), .y = kv.data(),
-                                .m = rows, .n = row_dim, .k = hidden}));
-  TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = kv.data(), .weight = w.kv_a_norm.data(),
-                                   .output = kv.data(), .rows = rows, .dim = lora,
-                                   .input_stride = row_dim, .output_stride = row_dim,
+  TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(),
+                                .weight = w.kv_a_proj.data(),
+                                .y = kv.data(),
+                                .m = rows,
+                                .n = row_dim,
+                                .k = hidden}));
+  TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = kv.data(),
+                                   .weight = w.kv_a_norm.data(),
+                                   .output = kv.data(),
+                                   .rows = rows,
+                                   .dim = lora,
+                                   .input_stride = row_dim,
+                                   .output_stride = row_dim,
                                    .eps = kLatentNormEps}));
   TV_RETURN_IF_ERROR(cpu::Rope({.x = kv.data() + lora,
                                 .positions = batch.positions.data(),
@@ -322,8 +345,13 @@ absl::Status ModelRunner::Attention(int64_t layer_index, Batch& batch,
                                 .attention_factor = rope_attention_factor_,
                                 .interleaved = c.rope_interleave}));
   float* cache = kv_cache_->layer_data(layer_index);
-  TV_RETURN_IF_ERROR(cpu::KvAppend({.rows = kv.data(), .slots = batch.slots.data(), .cache = cache,
-                                    .count = rows, .row_dim = row_dim}));
+  TV_RETURN_IF_ERROR(cpu::KvAppend(
+      {.rows = kv.data(),
+       .slots = batch.slots.data(),
+       .cache = cache,
+       .count = rows,
+       .row_dim = row_dim,
+       .num_slots = kv_cache_->options().num_pages * kv_cache_->options().page_size}));
 
   std::vector<float> latent_out(rows * heads * lora);
   std::vector<float> lse(rows * heads);
@@ -356,8 +384,12 @@ absl::Status ModelRunner::Attention(int64_t layer_index, Batch& batch,
                                   .x_stride = heads * lora,
                                   .y_stride = heads * v}));
   }
-  return cpu::Gemm({.x = values.data(), .weight = w.o_proj.data(), .y = out.data(), .m = rows,
-                    .n = hidden, .k = heads * v});
+  return cpu::Gemm({.x = values.data(),
+                    .weight = w.o_proj.data(),
+                    .y = out.data(),
+                    .m = rows,
+                    .n = hidden,
+                    .k = heads * v});
 }
 
 namespace {
@@ -366,13 +398,21 @@ namespace {
 absl::Status GatedMlp(const MlpWeights& mlp, const float* x, int64_t rows, int64_t hidden,
                       float* out) {
   std::vector<float> gate_up(rows * 2 * mlp.intermediate);
-  TV_RETURN_IF_ERROR(cpu::Gemm({.x = x, .weight = mlp.gate_up.data(), .y = gate_up.data(),
-                                .m = rows, .n = 2 * mlp.intermediate, .k = hidden}));
+  TV_RETURN_IF_ERROR(cpu::Gemm({.x = x,
+                                .weight = mlp.gate_up.data(),
+                                .y = gate_up.data(),
+                                .m = rows,
+                                .n = 2 * mlp.intermediate,
+                                .k = hidden}));
   std::vector<float> activated(rows * mlp.intermediate);
-  TV_RETURN_IF_ERROR(cpu::SiluMul({.gate_up = gate_up.data(), .out = activated.data(),
-                                   .rows = rows, .dim = mlp.intermediate}));
-  return cpu::Gemm({.x = activated.data(), .weight = mlp.down.data(), .y = out, .m = rows,
-                    .n = hidden, .k = mlp.intermediate});
+  TV_RETURN_IF_ERROR(cpu::SiluMul(
+      {.gate_up = gate_up.data(), .out = activated.data(), .rows = rows, .dim = mlp.intermediate}));
+  return cpu::Gemm({.x = activated.data(),
+                    .weight = mlp.down.data(),
+                    .y = out,
+                    .m = rows,
+                    .n = hidden,
+                    .k = mlp.intermediate});
 }
 
 }  // namespace
@@ -389,8 +429,11 @@ absl::Status ModelRunner::Mlp(int64_t layer_index, Batch& batch, const std::vect
   const int32_t experts = static_cast<int32_t>(c.n_routed_experts);
   const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
   std::vector<float> router_logits(rows * experts);
-  TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(), .weight = moe.router.data(),
-                                .y = router_logits.data(), .m = rows, .n = experts,
+  TV_RETURN_IF_ERROR(cpu::Gemm({.x = normed.data(),
+                                .weight = moe.router.data(),
+                                .y = router_logits.data(),
+                                .m = rows,
+                                .n = experts,
                                 .k = hidden}));
   std::vector<int32_t> topk_ids(rows * top_k);
   std::vector<float> topk_weights(rows * top_k);
@@ -409,20 +452,20 @@ absl::Status ModelRunner::Mlp(int64_t layer_index, Batch& batch, const std::vect
        .normalize = c.norm_topk_prob,
        .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor)}));
   const ShardingPlan& plan = weights_->plan;
-  TV_RETURN_IF_ERROR(cpu::MoeExperts({.x = normed.data(),
-                                      .topk_ids = topk_ids.data(),
-                                      .topk_weights = topk_weights.data(),
-                                      .gate_proj = moe.gate_ptrs.data(),
-                                      .up_proj = moe.up_ptrs.data(),
-                                      .down_proj = moe.down_ptrs.data(),
-                                      .out = out.data(),
-                                      .tokens = rows,
-                                      .top_k = top_k,
-                                      .hidden = hidden,
-                                      .intermediate = plan.expert_intermediate.size(),
-                                      .first_expert = static_cast<int32_t>(plan.experts.begin),
-                                      .num_local_experts =
-                                          static_cast<int32_t>(plan.experts.size())}));
+  TV_RETURN_IF_ERROR(
+      cpu::MoeExperts({.x = normed.data(),
+                       .topk_ids = topk_ids.data(),
+                       .topk_weights = topk_weights.data(),
+                       .gate_proj = moe.gate_ptrs.data(),
+                       .up_proj = moe.up_ptrs.data(),
+                       .down_proj = moe.down_ptrs.data(),
+                       .out = out.data(),
+                       .tokens = rows,
+                       .top_k = top_k,
+                       .hidden = hidden,
+                       .intermediate = plan.expert_intermediate.size(),
+                       .first_expert = static_cast<int32_t>(plan.experts.begin),
+                       .num_local_experts = static_cast<int32_t>(plan.experts.size())}));
   if (moe.shared.intermediate > 0) {
     std::vector<float> shared(rows * hidden);
     TV_RETURN_IF_ERROR(GatedMlp(moe.shared, normed.data(), rows, hidden, shared.data()));

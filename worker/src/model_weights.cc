@@ -13,9 +13,8 @@ absl::StatusOr<ShardRange> NonEmptyShard(int64_t total, int world_size, int rank
                                          absl::string_view what) {
   ShardRange range = Shard(total, world_size, rank);
   if (range.size() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " (", total,
-                                                   ") cannot be split over ", world_size,
-                                                   " tensor-parallel ranks"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " (", total, ") cannot be split over ",
+                                                   world_size, " tensor-parallel ranks"));
   }
   return range;
 }
@@ -75,8 +74,8 @@ absl::StatusOr<AttentionWeights> LoadAttention(SliceReader& reader, const std::s
     TV_ASSIGN_OR_RETURN(a.q_proj,
                         reader.Rows(prefix + "q_proj.weight", {heads * qk, hidden}, q_rows));
   }
-  TV_ASSIGN_OR_RETURN(a.kv_a_proj, reader.Whole(prefix + "kv_a_proj_with_mqa.weight",
-                                                {c.kv_row_dim(), hidden}));
+  TV_ASSIGN_OR_RETURN(a.kv_a_proj,
+                      reader.Whole(prefix + "kv_a_proj_with_mqa.weight", {c.kv_row_dim(), hidden}));
   TV_ASSIGN_OR_RETURN(a.kv_a_norm,
                       reader.Whole(prefix + "kv_a_layernorm.weight", {c.kv_lora_rank}));
 
@@ -118,8 +117,8 @@ absl::StatusOr<MoeWeights> LoadMoe(SliceReader& reader, const std::string& prefi
   }
   for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
     const std::string expert = absl::StrCat(prefix, "experts.", e, ".");
-    TV_ASSIGN_OR_RETURN(MlpWeights mlp, LoadMlp(reader, expert, hidden, inter,
-                                                plan.expert_intermediate));
+    TV_ASSIGN_OR_RETURN(MlpWeights mlp,
+                        LoadMlp(reader, expert, hidden, inter, plan.expert_intermediate));
     const int64_t cols = plan.expert_intermediate.size();
     m.gate_proj.emplace_back(mlp.gate_up.begin(), mlp.gate_up.begin() + cols * hidden);
     m.up_proj.emplace_back(mlp.gate_up.begin() + cols * hidden, mlp.gate_up.end());
@@ -149,22 +148,23 @@ absl::StatusOr<ShardingPlan> ShardingPlan::Make(const ModelConfig& c, int rank, 
   plan.rank = rank;
   plan.world_size = world_size;
   plan.expert_sharding = expert_sharding;
-  TV_ASSIGN_OR_RETURN(plan.heads,
-                      NonEmptyShard(c.num_attention_heads, world_size, rank, "num_attention_heads"));
+  TV_ASSIGN_OR_RETURN(
+      plan.heads, NonEmptyShard(c.num_attention_heads, world_size, rank, "num_attention_heads"));
   TV_ASSIGN_OR_RETURN(plan.vocab, NonEmptyShard(c.vocab_size, world_size, rank, "vocab_size"));
   bool any_dense = false;
   bool any_moe = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) (c.is_moe_layer(l) ? any_moe : any_dense) = true;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    (c.is_moe_layer(l) ? any_moe : any_dense) = true;
   if (any_dense) {
-    TV_ASSIGN_OR_RETURN(plan.dense_intermediate, NonEmptyShard(c.intermediate_size, world_size,
-                                                               rank, "intermediate_size"));
+    TV_ASSIGN_OR_RETURN(plan.dense_intermediate,
+                        NonEmptyShard(c.intermediate_size, world_size, rank, "intermediate_size"));
   }
   if (any_moe) {
     if (expert_sharding == ExpertSharding::kSplitInside) {
       plan.experts = ShardRange{0, c.n_routed_experts};
-      TV_ASSIGN_OR_RETURN(plan.expert_intermediate,
-                          NonEmptyShard(c.moe_intermediate_size, world_size, rank,
-                                        "moe_intermediate_size"));
+      TV_ASSIGN_OR_RETURN(
+          plan.expert_intermediate,
+          NonEmptyShard(c.moe_intermediate_size, world_size, rank, "moe_intermediate_size"));
     } else {
       TV_ASSIGN_OR_RETURN(plan.experts,
                           NonEmptyShard(c.n_routed_experts, world_size, rank, "n_routed_experts"));
@@ -188,8 +188,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const std::stri
   w->config = c;
   w->plan = plan;
   const int64_t hidden = c.hidden_size;
-  TV_ASSIGN_OR_RETURN(w->embedding, reader.Rows("model.embed_tokens.weight",
-                                                {c.vocab_size, hidden}, plan.vocab));
+  TV_ASSIGN_OR_RETURN(w->embedding,
+                      reader.Rows("model.embed_tokens.weight", {c.vocab_size, hidden}, plan.vocab));
   TV_ASSIGN_OR_RETURN(w->final_norm, reader.Whole("model.norm.weight", {hidden}));
   const std::string lm_head =
       c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
@@ -208,8 +208,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const std::stri
     if (layer.is_moe) {
       TV_ASSIGN_OR_RETURN(layer.moe, LoadMoe(reader, prefix + "mlp.", c, plan));
     } else {
-      TV_ASSIGN_OR_RETURN(layer.dense, LoadMlp(reader, prefix + "mlp.", hidden,
-                                               c.intermediate_size, plan.dense_intermediate));
+      TV_ASSIGN_OR_RETURN(layer.dense, LoadMlp(reader, prefix + "mlp.", hidden, c.intermediate_size,
+                                               plan.dense_intermediate));
     }
   }
   return w;

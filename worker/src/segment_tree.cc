@@ -18,9 +18,9 @@ absl::StatusOr<SegmentTree> SegmentTree::Build(absl::Span<const int32_t> parents
   for (int64_t i = 0; i < nodes; ++i) {
     const int32_t parent = parents[i];
     if (parent < -1 || parent >= i) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "parents[", i, "] = ", parent, ": a parent must be -1 or an earlier node (0..", i - 1,
-          ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parents[", i, "] = ", parent,
+                       ": a parent must be -1 or an earlier node (0..", i - 1, ")"));
     }
     uint64_t* mask = &tree.ancestor_mask[i * kAncestorMaskWords];
     if (parent >= 0) {

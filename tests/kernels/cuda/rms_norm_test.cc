@@ -24,14 +24,22 @@ TEST_F(CudaRmsNormTest, MatchesTheCpuBackend) {
       for (float& v : x) v = dist(rng);
       for (float& v : w) v = 1.0f + 0.1f * dist(rng);
       std::vector<float> expected(rows * dim);
-      ASSERT_TRUE(cpu::RmsNorm({.input = x.data(), .weight = w.data(), .output = expected.data(),
-                                .rows = rows, .dim = dim, .eps = 1e-6f})
+      ASSERT_TRUE(cpu::RmsNorm({.input = x.data(),
+                                .weight = w.data(),
+                                .output = expected.data(),
+                                .rows = rows,
+                                .dim = dim,
+                                .eps = 1e-6f})
                       .ok());
       DeviceBuffer<float> dx(x.size()), dw(w.size()), dy(x.size());
       dx.CopyFrom(x);
       dw.CopyFrom(w);
-      ASSERT_TRUE(RmsNorm({.input = dx.get(), .weight = dw.get(), .output = dy.get(),
-                           .rows = rows, .dim = dim, .eps = 1e-6f},
+      ASSERT_TRUE(RmsNorm({.input = dx.get(),
+                           .weight = dw.get(),
+                           .output = dy.get(),
+                           .rows = rows,
+                           .dim = dim,
+                           .eps = 1e-6f},
                           nullptr)
                       .ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);

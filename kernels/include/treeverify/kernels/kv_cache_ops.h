@@ -10,12 +10,13 @@
 namespace treeverify::kernels {
 
 struct KvAppendParams {
-  const float* rows = nullptr;      // [count, row_dim], rows row_stride elements apart
-  const int64_t* slots = nullptr;   // [count] destination global slots
-  float* cache = nullptr;           // [num_slots, row_dim]
+  const float* rows = nullptr;     // [count, row_dim], rows row_stride elements apart
+  const int64_t* slots = nullptr;  // [count] destination global slots
+  float* cache = nullptr;          // [num_slots, row_dim]
   int64_t count = 0;
   int64_t row_dim = 0;
   int64_t row_stride = 0;  // 0 means row_dim
+  int64_t num_slots = 0;   // every slot must be in [0, num_slots)
 };
 
 struct KvCopyParams {
@@ -24,6 +25,7 @@ struct KvCopyParams {
   float* cache = nullptr;              // [num_slots, row_dim]
   int64_t count = 0;
   int64_t row_dim = 0;
+  int64_t num_slots = 0;  // every slot must be in [0, num_slots)
 };
 
 namespace cpu {

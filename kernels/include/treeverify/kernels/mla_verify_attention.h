@@ -27,14 +27,14 @@ inline constexpr int kAncestorMaskWords = kMaxSegmentRows / 64;
 
 template <typename Element>
 struct MlaVerifyParams {
-  const Element* q = nullptr;                // [num_rows, num_heads, latent_dim + rope_dim]
-  const Element* kv_cache = nullptr;         // [num_pages, page_size, latent_dim + rope_dim]
-  const int32_t* page_table = nullptr;       // [num_seqs, max_pages_per_seq]
+  const Element* q = nullptr;                  // [num_rows, num_heads, latent_dim + rope_dim]
+  const Element* kv_cache = nullptr;           // [num_pages, page_size, latent_dim + rope_dim]
+  const int32_t* page_table = nullptr;         // [num_seqs, max_pages_per_seq]
   const int32_t* committed_lengths = nullptr;  // [num_seqs] keys before the segment
-  const int32_t* row_offsets = nullptr;      // [num_seqs + 1] rows of b: row_offsets[b]..[b+1]
-  const uint64_t* ancestor_mask = nullptr;   // [num_rows, kAncestorMaskWords], bit j = node j
-  Element* out = nullptr;                    // [num_rows, num_heads, latent_dim]
-  float* lse = nullptr;                      // [num_rows, num_heads] natural-log sum-exp
+  const int32_t* row_offsets = nullptr;        // [num_seqs + 1] rows of b: row_offsets[b]..[b+1]
+  const uint64_t* ancestor_mask = nullptr;     // [num_rows, kAncestorMaskWords], bit j = node j
+  Element* out = nullptr;                      // [num_rows, num_heads, latent_dim]
+  float* lse = nullptr;                        // [num_rows, num_heads] natural-log sum-exp
   int32_t num_seqs = 0;
   int32_t num_heads = 0;
   int32_t latent_dim = 0;  // 512 in DeepSeek-V3 / Kimi-K2

@@ -42,13 +42,13 @@ struct MoeRoutingParams {
 // parallel) every expert is present with intermediate columns of 1/W; with whole experts per rank
 // (expert parallel) experts outside [first_expert, first_expert + num_local_experts) are skipped.
 struct MoeExpertsParams {
-  const float* x = nullptr;               // [tokens, hidden]
-  const int32_t* topk_ids = nullptr;      // [tokens, top_k]
-  const float* topk_weights = nullptr;    // [tokens, top_k]
+  const float* x = nullptr;                 // [tokens, hidden]
+  const int32_t* topk_ids = nullptr;        // [tokens, top_k]
+  const float* topk_weights = nullptr;      // [tokens, top_k]
   const float* const* gate_proj = nullptr;  // [num_local_experts] -> [intermediate, hidden]
   const float* const* up_proj = nullptr;    // [num_local_experts] -> [intermediate, hidden]
   const float* const* down_proj = nullptr;  // [num_local_experts] -> [hidden, intermediate]
-  float* out = nullptr;                   // [tokens, hidden], overwritten
+  float* out = nullptr;                     // [tokens, hidden], overwritten
   int64_t tokens = 0;
   int32_t top_k = 0;
   int64_t hidden = 0;

@@ -15,9 +15,9 @@
 namespace treeverify::kernels {
 
 struct RopeParams {
-  float* x = nullptr;                // [rows, heads, rope_dim] at x[r*row_stride + h*head_stride]
+  float* x = nullptr;                  // [rows, heads, rope_dim] at x[r*row_stride + h*head_stride]
   const int32_t* positions = nullptr;  // [rows] absolute positions
-  const float* inv_freq = nullptr;   // [rope_dim / 2]
+  const float* inv_freq = nullptr;     // [rope_dim / 2]
   int64_t rows = 0;
   int64_t heads = 1;
   int64_t rope_dim = 0;

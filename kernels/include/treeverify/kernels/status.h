@@ -12,10 +12,10 @@
 #define TV_STATUS_CONCAT_INNER(a, b) a##b
 #define TV_STATUS_CONCAT(a, b) TV_STATUS_CONCAT_INNER(a, b)
 
-#define TV_RETURN_IF_ERROR(expr)                      \
-  do {                                                \
-    ::absl::Status tv_status_ = (expr);               \
-    if (!tv_status_.ok()) return tv_status_;          \
+#define TV_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status tv_status_ = (expr);      \
+    if (!tv_status_.ok()) return tv_status_; \
   } while (0)
 
 #define TV_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \

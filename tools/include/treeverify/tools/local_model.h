@@ -33,12 +33,12 @@ struct LocalSegmentResult {
   absl::Status status;
   int64_t committed_length = 0;
   std::vector<kernels::NodeSummary> summaries;  // [nodes]
-  std::vector<float> logits;                   // [nodes, vocab] when requested
+  std::vector<float> logits;                    // [nodes, vocab] when requested
 };
 
 struct Generation {
-  std::vector<int32_t> tokens;   // the new tokens
-  std::vector<float> logprobs;   // log-probability of each new token under the model
+  std::vector<int32_t> tokens;  // the new tokens
+  std::vector<float> logprobs;  // log-probability of each new token under the model
 };
 
 class LocalModel {
@@ -61,8 +61,7 @@ class LocalModel {
 
   // Greedy autoregressive decoding: prefill, then one token per step.
   absl::StatusOr<Generation> GenerateGreedy(uint64_t sequence_id,
-                                            const std::vector<int32_t>& prompt,
-                                            int max_new_tokens);
+                                            const std::vector<int32_t>& prompt, int max_new_tokens);
 
   absl::Status Release(uint64_t sequence_id);
 

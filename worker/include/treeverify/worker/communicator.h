@@ -5,7 +5,7 @@
 // in-process implementation runs W ranks as threads of one process (tests, the CLI); Gloo (CPU
 // processes) and NCCL (GPUs) implement the same interface.
 //
-//   auto group = InProcessGroup::Create(2);
+//   TV_ASSIGN_OR_RETURN(std::unique_ptr<InProcessGroup> group, InProcessGroup::Create(2));
 //   std::thread([&] { group->communicator(1)->AllReduceSum(buffer1); });
 //   group->communicator(0)->AllReduceSum(buffer0);
 #pragma once
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 
 namespace treeverify::worker {
@@ -43,7 +44,8 @@ class SoloCommunicator final : public Communicator {
 class InProcessGroup {
  public:
   // nullptr when world_size < 1.
-  static std::unique_ptr<InProcessGroup> Create(int world_size);
+  // INVALID_ARGUMENT unless world_size >= 1.
+  static absl::StatusOr<std::unique_ptr<InProcessGroup>> Create(int world_size);
   Communicator* communicator(int rank) { return members_[rank].get(); }
   int world_size() const { return static_cast<int>(members_.size()); }
 

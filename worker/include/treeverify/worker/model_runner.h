@@ -58,9 +58,9 @@ struct ForwardRequest {
 
 struct SegmentOutput {
   absl::Status status;
-  int64_t committed_length = 0;                // before this segment's rows
+  int64_t committed_length = 0;                 // before this segment's rows
   std::vector<kernels::NodeSummary> summaries;  // [nodes], this rank's vocabulary shard
-  std::vector<float> logits;                   // [nodes, vocab shard] when requested
+  std::vector<float> logits;                    // [nodes, vocab shard] when requested
 };
 
 struct ForwardResult {

@@ -43,20 +43,20 @@ struct ShardingPlan {
 };
 
 struct MlpWeights {
-  int64_t intermediate = 0;     // this rank's columns (0: absent)
-  std::vector<float> gate_up;   // [2 * intermediate, hidden]: gate rows, then up rows
-  std::vector<float> down;      // [hidden, intermediate]
+  int64_t intermediate = 0;    // this rank's columns (0: absent)
+  std::vector<float> gate_up;  // [2 * intermediate, hidden]: gate rows, then up rows
+  std::vector<float> down;     // [hidden, intermediate]
 };
 
 struct AttentionWeights {
-  std::vector<float> q_a_proj;    // [q_lora_rank, hidden] (when q_lora_rank is set)
-  std::vector<float> q_a_norm;    // [q_lora_rank]
-  std::vector<float> q_proj;      // [local_heads * qk_head_dim, q_lora_rank or hidden]
-  std::vector<float> kv_a_proj;   // [kv_lora_rank + qk_rope_head_dim, hidden]
-  std::vector<float> kv_a_norm;   // [kv_lora_rank]
-  std::vector<float> w_uk_t;      // [local_heads, kv_lora_rank, qk_nope_head_dim]: q_nope -> latent
-  std::vector<float> w_uv;        // [local_heads, v_head_dim, kv_lora_rank]: latent -> value
-  std::vector<float> o_proj;      // [hidden, local_heads * v_head_dim]
+  std::vector<float> q_a_proj;   // [q_lora_rank, hidden] (when q_lora_rank is set)
+  std::vector<float> q_a_norm;   // [q_lora_rank]
+  std::vector<float> q_proj;     // [local_heads * qk_head_dim, q_lora_rank or hidden]
+  std::vector<float> kv_a_proj;  // [kv_lora_rank + qk_rope_head_dim, hidden]
+  std::vector<float> kv_a_norm;  // [kv_lora_rank]
+  std::vector<float> w_uk_t;     // [local_heads, kv_lora_rank, qk_nope_head_dim]: q_nope -> latent
+  std::vector<float> w_uv;       // [local_heads, v_head_dim, kv_lora_rank]: latent -> value
+  std::vector<float> o_proj;     // [hidden, local_heads * v_head_dim]
 };
 
 struct MoeWeights {

@@ -13,18 +13,17 @@ namespace treeverify::kernels::cuda {
 inline absl::Status CudaStatus(cudaError_t error, const char* expression) {
   if (error == cudaSuccess) return absl::OkStatus();
   // No device or no driver is a property of the machine, not a bug: callers report it as such.
-  const absl::StatusCode code =
-      error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver
-          ? absl::StatusCode::kFailedPrecondition
-          : absl::StatusCode::kInternal;
+  const absl::StatusCode code = error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver
+                                    ? absl::StatusCode::kFailedPrecondition
+                                    : absl::StatusCode::kInternal;
   return absl::Status(code, absl::StrCat(expression, ": ", cudaGetErrorName(error), ": ",
                                          cudaGetErrorString(error)));
 }
 
 }  // namespace treeverify::kernels::cuda
 
-#define TV_CUDA_RETURN_IF_ERROR(expr)                                                   \
-  do {                                                                                  \
+#define TV_CUDA_RETURN_IF_ERROR(expr)                                                        \
+  do {                                                                                       \
     ::absl::Status tv_cuda_status_ = ::treeverify::kernels::cuda::CudaStatus((expr), #expr); \
-    if (!tv_cuda_status_.ok()) return tv_cuda_status_;                                  \
+    if (!tv_cuda_status_.ok()) return tv_cuda_status_;                                       \
   } while (0)
