@@ -11,4 +11,13 @@ endfunction()
 
 # The CPU backend's inner loops are written with AVX2/FMA in mind. x86-64-v3 (Haswell, 2013, and
 # every EPYC) is the baseline on our build, CI and GPU hosts; a different one can be chosen.
-set(TREEVERIFY_CPU_ARCH "x86-64-v3" CACHE STRING "-march for the CPU backend (empty: compiler default)")
+# A host without AVX2/FMA (some VMs) gets the compiler's default instead of crashing on SIGILL.
+set(_treeverify_default_arch "")
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND EXISTS /proc/cpuinfo)
+  file(READ /proc/cpuinfo _treeverify_cpuinfo)
+  if(_treeverify_cpuinfo MATCHES " avx2" AND _treeverify_cpuinfo MATCHES " fma")
+    set(_treeverify_default_arch "x86-64-v3")
+  endif()
+endif()
+set(TREEVERIFY_CPU_ARCH "${_treeverify_default_arch}" CACHE STRING
+    "-march for the CPU backend (empty: compiler default)")

@@ -1,14 +1,69 @@
 #!/usr/bin/env bash
 # The README's demo command. Installs what is missing, builds, generates a tiny random
-# DeepSeek-V3-style checkpoint, and runs greedy generation on the CPU backend with 2
-# tensor-parallel ranks (threads of one process, for now; the coordinator + worker processes
-# replace this once the service lands).
+# DeepSeek-V3-style checkpoint (once), starts the coordinator and two CPU worker processes
+# (tensor parallel, Gloo over loopback), waits until the service is SERVING, then drives it with
+# treeverify-cli: plain decoding, the ngram drafter and the noisy-oracle drafter (acceptance 0.8),
+# printing tokens, accepted tokens per step and tokens per second. Everything it started is
+# stopped on exit, Ctrl-C or failure.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/install-deps.sh"
 "$root/scripts/build.sh"
 build_dir=${BUILD_DIR:-$root/build}
-model_dir=${MODEL_DIR:-$build_dir/demo-model}
 cli="$build_dir/tools/treeverify-cli"
-"$cli" make-checkpoint --out "$model_dir" --preset demo --seed 7
-"$cli" generate --model "$model_dir" --prompt-ids 1,2,3,4,5 --max-new-tokens 16 --tp 2
+model_dir=${MODEL_DIR:-$build_dir/demo-model}
+run_dir=$(mktemp -d /tmp/treeverify-demo.XXXXXX)
+
+pids=()
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [ $status -ne 0 ]; then
+    echo "demo failed; process logs:" >&2
+    tail -n 20 "$run_dir"/*.log >&2 || true
+  fi
+  rm -rf "$run_dir"
+  exit $status
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+[ -f "$model_dir/config.json" ] || "$cli" make-checkpoint --out "$model_dir" --preset demo --seed 7
+
+# Reads "... listening on HOST:PORT" from a process's log (ports are picked by the kernel).
+wait_for_address() {
+  local log=$1
+  for _ in $(seq 1 600); do
+    if grep -q "listening on" "$log" 2>/dev/null; then
+      grep -m1 "listening on" "$log" | awk '{print $NF}'
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "no address in $log" >&2
+  return 1
+}
+
+"$build_dir/services/treeverify-coordinator" --listen 127.0.0.1:0 --world-size 2 \
+  --model-name demo >"$run_dir/coordinator.log" 2>&1 &
+pids+=($!)
+coordinator=$(wait_for_address "$run_dir/coordinator.log")
+for rank in 0 1; do
+  "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
+    --model "$model_dir" --listen 127.0.0.1:0 >"$run_dir/worker$rank.log" 2>&1 &
+  pids+=($!)
+done
+"$cli" info --server "$coordinator" --wait-s 120
+
+prompt=1,2,3,4,5,1,2,3,4,5,1,2,3
+for drafter in none ngram noisy-oracle; do
+  echo
+  echo "== generate, drafter: $drafter"
+  "$cli" generate --server "$coordinator" --prompt-ids "$prompt" --max-new-tokens 48 \
+    --drafter "$drafter" --tree-nodes 8 --oracle-acceptance 0.8
+done
+echo
+echo "coordinator: $coordinator (gRPC Verifier API, health, reflection)."
+echo "metrics: not exported yet (Prometheus endpoints come with the observability issue)."

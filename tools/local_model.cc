@@ -100,6 +100,13 @@ absl::StatusOr<std::vector<LocalSegmentResult>> LocalModel::Forward(
       for (int r = 0; r < world; ++r) shards[r] = per_rank[r].segments[s].summaries[n];
       result.summaries[n] = coordinator::ReduceSummaries(shards);
     }
+    result.shard_summaries.resize(world);
+    result.shard_candidates.resize(world);
+    for (int r = 0; r < world; ++r) {
+      result.shard_summaries[r] = std::move(per_rank[r].segments[s].summaries);
+      result.shard_candidates[r] = std::move(per_rank[r].segments[s].candidates);
+    }
+    result.hidden_states = std::move(per_rank[0].segments[s].hidden_states);
     if (request.return_logits) {
       const int64_t vocab = config().vocab_size;
       result.logits.resize(nodes * vocab);
@@ -169,6 +176,14 @@ absl::StatusOr<Generation> LocalModel::GenerateGreedy(uint64_t sequence_id,
 
 absl::Status LocalModel::Release(uint64_t sequence_id) {
   return ForEachRank(world_size(), [&](int r) { return runners_[r]->Release(sequence_id); });
+}
+
+std::vector<std::unique_ptr<coordinator::RankClient>> LocalModel::RankClients() {
+  std::vector<std::unique_ptr<coordinator::RankClient>> clients;
+  for (auto& runner : runners_) {
+    clients.push_back(std::make_unique<coordinator::InProcessRankClient>(runner.get()));
+  }
+  return clients;
 }
 
 }  // namespace treeverify::tools

@@ -1,6 +1,7 @@
 #include "treeverify/coordinator/summary_reducer.h"
 
 #include <cmath>
+#include <limits>
 
 namespace treeverify::coordinator {
 
@@ -8,6 +9,11 @@ kernels::NodeSummary ReduceSummaries(absl::Span<const kernels::NodeSummary> shar
   kernels::NodeSummary full;
   if (shards.empty()) return full;
   full = shards[0];
+  // Only the greedy fields reduce here; sampling winners go through SelectToken.
+  full.sampled_token = -1;
+  full.sampled_logit = 0.0f;
+  full.sampled_score = -std::numeric_limits<double>::infinity();
+  full.log_sum_exp_at_temperature = 0.0f;
   for (size_t r = 1; r < shards.size(); ++r) {
     const kernels::NodeSummary& s = shards[r];
     if (s.max_logit > full.max_logit || (s.max_logit == full.max_logit && s.argmax < full.argmax)) {

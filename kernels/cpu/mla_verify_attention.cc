@@ -35,6 +35,9 @@ absl::Status Validate(const MlaVerifyParams<float>& p) {
       !p.ancestor_mask || !p.out || !p.lse) {
     return absl::InvalidArgumentError("MlaVerifyAttention: a required pointer is null");
   }
+  if (p.row_offsets[0] != 0) {
+    return absl::InvalidArgumentError("MlaVerifyAttention: row_offsets[0] must be 0");
+  }
   for (int32_t b = 0; b < p.num_seqs; ++b) {
     const int32_t rows = p.row_offsets[b + 1] - p.row_offsets[b];
     if (rows < 0 || rows > kMaxSegmentRows) {
@@ -46,6 +49,16 @@ absl::Status Validate(const MlaVerifyParams<float>& p) {
       return absl::InvalidArgumentError(absl::StrCat("MlaVerifyAttention: sequence ", b, " needs ",
                                                      keys, " key slots but its page table holds ",
                                                      int64_t{p.max_pages_per_seq} * p.page_size));
+    }
+    // The page table is data from the cache's owner: check it rather than read out of bounds.
+    const int64_t pages_used = (keys + p.page_size - 1) / p.page_size;
+    for (int64_t page = 0; page < pages_used; ++page) {
+      const int32_t id = p.page_table[int64_t{b} * p.max_pages_per_seq + page];
+      if (id < 0 || id >= p.num_pages) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("MlaVerifyAttention: sequence ", b, " page ", page, " is ", id,
+                         "; the cache has pages 0..", p.num_pages - 1));
+      }
     }
   }
   return absl::OkStatus();

@@ -1,6 +1,8 @@
 // RMSNorm kernel: one block of kThreads per row. Each thread sums the squares of a strided
 // subset of the row in order, then the block folds the partial sums in a fixed tree (warp
-// shuffles, then one warp over the warps' sums), so the bits depend only on the row.
+// shuffles, then one warp over the warps' sums), so the bits depend only on the row. Input and
+// output may alias (in-place normalization): each thread reads its elements before the block's
+// barrier and writes them after it, so they are not __restrict__.
 #pragma once
 
 #include <cstdint>
@@ -8,9 +10,8 @@
 namespace treeverify::kernels::cuda {
 
 template <int kThreads>
-__global__ void RmsNormKernel(const float* __restrict__ input, const float* __restrict__ weight,
-                              float* __restrict__ output, int64_t dim, int64_t input_stride,
-                              int64_t output_stride, float eps) {
+__global__ void RmsNormKernel(const float* input, const float* __restrict__ weight, float* output,
+                              int64_t dim, int64_t input_stride, int64_t output_stride, float eps) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024);
   const float* x = input + blockIdx.x * input_stride;
   float* y = output + blockIdx.x * output_stride;

@@ -1,5 +1,6 @@
-// Tests of the CPU row-wise ops (RmsNorm, Rope, SiluMul, Embedding, LmHeadSummary, KvAppend,
-// KvCopy) against straightforward double-precision references, on random inputs of odd sizes.
+// Tests of the CPU row-wise ops (RmsNorm, Rope, SiluMul, Embedding, LmHeadSummary with its
+// sampling and candidates, KvAppend, KvCopy) against straightforward double-precision
+// references, on random inputs of odd sizes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include "treeverify/kernels/embedding.h"
 #include "treeverify/kernels/kv_cache_ops.h"
 #include "treeverify/kernels/lm_head_summary.h"
+#include "treeverify/kernels/philox.h"
 #include "treeverify/kernels/rms_norm.h"
 #include "treeverify/kernels/rope.h"
 
@@ -693,6 +695,287 @@ TEST(LmHeadSummaryTest, RejectsInvalidParams) {
   p = good;
   p.out = nullptr;
   ExpectInvalid(cpu::LmHeadSummary(p), "out");
+}
+
+// The sampling winner by brute force: every column's score, no skipping.
+struct SampledReference {
+  int32_t token;
+  double score;
+  double log_sum_exp_at_temperature;
+};
+
+SampledReference SampleReference(const float* logits, int64_t vocab, int32_t vocab_begin,
+                                 float temperature, uint64_t seed, int64_t position) {
+  SampledReference ref{-1, -std::numeric_limits<double>::infinity(), 0.0};
+  double max_scaled = -std::numeric_limits<double>::infinity();
+  for (int64_t v = 0; v < vocab; ++v) {
+    const int32_t token = static_cast<int32_t>(vocab_begin + v);
+    const double score = GumbelMaxScore(logits[v], temperature, seed, position, token);
+    if (ref.token < 0 || score > ref.score) {
+      ref.token = token;
+      ref.score = score;
+    }
+    max_scaled = std::max(max_scaled, double{logits[v]} / temperature);
+  }
+  double sum = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) sum += std::exp(double{logits[v]} / temperature - max_scaled);
+  ref.log_sum_exp_at_temperature = max_scaled + std::log(sum);
+  return ref;
+}
+
+TEST(LmHeadSummaryTest, SamplingMatchesBruteForce) {
+  for (float temperature : {0.3f, 1.0f, 2.5f}) {
+    for (float spread : {3.0f, 60.0f}) {  // flat, and peaked (most columns skipped)
+      for (int64_t vocab : kOddSizes) {
+        const int64_t rows = 7;
+        const uint32_t seed =
+            static_cast<uint32_t>(8600 + vocab + 10 * spread + 1000 * temperature);
+        SCOPED_TRACE(
+            absl::StrCat("seed=", seed, " T=", temperature, " spread=", spread, " vocab=", vocab));
+        std::mt19937 rng(seed);
+        const std::vector<float> logits = RandomSignedFloats(rng, rows * vocab, 0.01f, spread);
+        std::vector<int64_t> positions(rows);
+        for (int64_t& p : positions) p = std::uniform_int_distribution<int64_t>(0, 1 << 20)(rng);
+        const uint64_t sampling_seed = rng() * 0x100000001ull;
+        const int32_t vocab_begin = 4321;
+        std::vector<NodeSummary> out(rows);
+        ASSERT_TRUE(cpu::LmHeadSummary({.logits = logits.data(),
+                                        .out = out.data(),
+                                        .rows = rows,
+                                        .vocab_shard = vocab,
+                                        .vocab_begin = vocab_begin,
+                                        .temperature = temperature,
+                                        .seed = sampling_seed,
+                                        .positions = positions.data()})
+                        .ok());
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row = &logits[r * vocab];
+          const SampledReference ref =
+              SampleReference(row, vocab, vocab_begin, temperature, sampling_seed, positions[r]);
+          EXPECT_EQ(out[r].sampled_token, ref.token) << "row " << r;
+          EXPECT_EQ(out[r].sampled_score, ref.score) << "row " << r;
+          EXPECT_EQ(out[r].sampled_logit, row[ref.token - vocab_begin]) << "row " << r;
+          EXPECT_NEAR(out[r].log_sum_exp_at_temperature, ref.log_sum_exp_at_temperature,
+                      1e-6 * std::max(1.0, std::abs(ref.log_sum_exp_at_temperature)))
+              << "row " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST(LmHeadSummaryTest, GreedyFieldsDoNotDependOnSampling) {
+  const uint32_t seed = 8700;
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937 rng(seed);
+  const int64_t rows = 19, vocab = 733;
+  const std::vector<float> logits = RandomSignedFloats(rng, rows * vocab, 0.01f, 20.0f);
+  std::vector<int64_t> positions(rows, 17);
+  std::vector<NodeSummary> greedy(rows), sampled(rows);
+  std::vector<Candidate> candidates(rows * 5);
+  ASSERT_TRUE(
+      cpu::LmHeadSummary(
+          {.logits = logits.data(), .out = greedy.data(), .rows = rows, .vocab_shard = vocab})
+          .ok());
+  ASSERT_TRUE(cpu::LmHeadSummary({.logits = logits.data(),
+                                  .out = sampled.data(),
+                                  .rows = rows,
+                                  .vocab_shard = vocab,
+                                  .temperature = 0.7f,
+                                  .seed = 3,
+                                  .positions = positions.data(),
+                                  .num_candidates = 5,
+                                  .candidates = candidates.data()})
+                  .ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_EQ(greedy[r].argmax, sampled[r].argmax);
+    EXPECT_EQ(greedy[r].max_logit, sampled[r].max_logit);
+    EXPECT_EQ(greedy[r].log_sum_exp, sampled[r].log_sum_exp);
+    // Greedy leaves the sampling fields at their defaults.
+    EXPECT_EQ(greedy[r].sampled_token, -1);
+    EXPECT_EQ(greedy[r].sampled_score, -std::numeric_limits<double>::infinity());
+    EXPECT_GE(sampled[r].sampled_token, 0);
+  }
+}
+
+// Gumbel-max over fixed logits at 20000 positions draws tokens with frequencies
+// softmax(logits / T). The noise is deterministic, so is the statistic.
+TEST(LmHeadSummaryTest, GumbelMaxFrequenciesMatchTheSoftmax) {
+  const uint32_t seed = 8800;
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937 rng(seed);
+  const int64_t vocab = 50;
+  const int64_t samples = 20000;
+  const float temperature = 0.8f;
+  const std::vector<float> row = RandomFloats(rng, vocab, -2.0f, 2.0f);
+  std::vector<float> logits(samples * vocab);
+  for (int64_t s = 0; s < samples; ++s) std::copy(row.begin(), row.end(), &logits[s * vocab]);
+  std::vector<int64_t> positions(samples);
+  for (int64_t s = 0; s < samples; ++s) positions[s] = 1000 + s;
+  std::vector<NodeSummary> out(samples);
+  ASSERT_TRUE(cpu::LmHeadSummary({.logits = logits.data(),
+                                  .out = out.data(),
+                                  .rows = samples,
+                                  .vocab_shard = vocab,
+                                  .temperature = temperature,
+                                  .seed = 0xC0FFEE,
+                                  .positions = positions.data()})
+                  .ok());
+  std::vector<int64_t> counts(vocab, 0);
+  for (const NodeSummary& s : out) {
+    ASSERT_GE(s.sampled_token, 0);
+    ASSERT_LT(s.sampled_token, vocab);
+    ++counts[s.sampled_token];
+  }
+  double max_scaled = -1e300;
+  for (float l : row) max_scaled = std::max(max_scaled, double{l} / temperature);
+  double z = 0.0;
+  for (float l : row) z += std::exp(double{l} / temperature - max_scaled);
+  double chi_square = 0.0;
+  double min_expected = 1e300;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const double expected = samples * std::exp(double{row[v]} / temperature - max_scaled) / z;
+    min_expected = std::min(min_expected, expected);
+    chi_square += (counts[v] - expected) * (counts[v] - expected) / expected;
+  }
+  ASSERT_GT(min_expected, 5.0) << "every cell needs enough expected counts";
+  // 49 degrees of freedom: mean 49, sd 9.9; 120 is beyond 7 sd.
+  EXPECT_LT(chi_square, 120.0);
+  // A wrong temperature must fail the same test.
+  double chi_square_wrong = 0.0;
+  double z_wrong = 0.0;
+  for (float l : row) z_wrong += std::exp(double{l} - max_scaled * temperature);
+  for (int64_t v = 0; v < vocab; ++v) {
+    const double expected = samples * std::exp(double{row[v]} - max_scaled * temperature) / z_wrong;
+    chi_square_wrong += (counts[v] - expected) * (counts[v] - expected) / expected;
+  }
+  EXPECT_GT(chi_square_wrong, 200.0);
+}
+
+TEST(LmHeadSummaryTest, CandidatesAreTheLargestLogitsWithTiesBySmallerId) {
+  for (int64_t vocab : kOddSizes) {
+    for (int32_t k : {1, 4, 64}) {
+      const uint32_t seed = static_cast<uint32_t>(8900 + vocab * 7 + k);
+      SCOPED_TRACE(absl::StrCat("seed=", seed, " vocab=", vocab, " k=", k));
+      std::mt19937 rng(seed);
+      const int64_t rows = 3;
+      std::vector<float> logits = RandomSignedFloats(rng, rows * vocab, 0.01f, 5.0f);
+      // Ties: copy some values onto other columns.
+      for (int64_t i = 0; i < vocab / 3; ++i) {
+        const int64_t from = std::uniform_int_distribution<int64_t>(0, rows * vocab - 1)(rng);
+        const int64_t to = std::uniform_int_distribution<int64_t>(0, rows * vocab - 1)(rng);
+        logits[to] = logits[from];
+      }
+      const int32_t vocab_begin = 77;
+      std::vector<NodeSummary> out(rows);
+      std::vector<Candidate> candidates(rows * k, Candidate{123, 4.5f});
+      ASSERT_TRUE(cpu::LmHeadSummary({.logits = logits.data(),
+                                      .out = out.data(),
+                                      .rows = rows,
+                                      .vocab_shard = vocab,
+                                      .vocab_begin = vocab_begin,
+                                      .num_candidates = k,
+                                      .candidates = candidates.data()})
+                      .ok());
+      for (int64_t r = 0; r < rows; ++r) {
+        std::vector<std::pair<float, int32_t>> order;
+        for (int64_t v = 0; v < vocab; ++v) {
+          order.push_back({logits[r * vocab + v], static_cast<int32_t>(vocab_begin + v)});
+        }
+        std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+          return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        for (int32_t i = 0; i < k; ++i) {
+          const Candidate& c = candidates[r * k + i];
+          if (i < vocab) {
+            EXPECT_EQ(c.token_id, order[i].second) << "row " << r << " rank " << i;
+            EXPECT_EQ(c.logit, order[i].first) << "row " << r << " rank " << i;
+          } else {
+            EXPECT_EQ(c.token_id, -1) << "padding, row " << r << " rank " << i;
+            EXPECT_EQ(c.logit, -std::numeric_limits<float>::infinity());
+          }
+        }
+        EXPECT_EQ(candidates[r * k].token_id, out[r].argmax);
+      }
+    }
+  }
+}
+
+// A row's sampled token and candidates do not depend on the other rows of the call.
+TEST(LmHeadSummaryTest, SamplingIsBatchInvariant) {
+  const uint32_t seed = 9000;
+  SCOPED_TRACE(absl::StrCat("seed=", seed));
+  std::mt19937 rng(seed);
+  const int64_t rows = 19, vocab = 733;
+  const int32_t k = 8;
+  const std::vector<float> logits = RandomSignedFloats(rng, rows * vocab, 0.01f, 10.0f);
+  std::vector<int64_t> positions(rows);
+  for (int64_t& p : positions) p = std::uniform_int_distribution<int64_t>(0, 5000)(rng);
+  auto run = [&](int64_t first, int64_t count, std::vector<NodeSummary>& out,
+                 std::vector<Candidate>& candidates) {
+    out.resize(count);
+    candidates.resize(count * k);
+    return cpu::LmHeadSummary({.logits = logits.data() + first * vocab,
+                               .out = out.data(),
+                               .rows = count,
+                               .vocab_shard = vocab,
+                               .temperature = 1.3f,
+                               .seed = 99,
+                               .positions = positions.data() + first,
+                               .num_candidates = k,
+                               .candidates = candidates.data()});
+  };
+  std::vector<NodeSummary> all;
+  std::vector<Candidate> all_candidates;
+  ASSERT_TRUE(run(0, rows, all, all_candidates).ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<NodeSummary> one;
+    std::vector<Candidate> one_candidates;
+    ASSERT_TRUE(run(r, 1, one, one_candidates).ok());
+    EXPECT_EQ(one[0].sampled_token, all[r].sampled_token) << "row " << r;
+    EXPECT_EQ(one[0].sampled_score, all[r].sampled_score) << "row " << r;
+    EXPECT_EQ(one[0].log_sum_exp_at_temperature, all[r].log_sum_exp_at_temperature);
+    for (int32_t i = 0; i < k; ++i) {
+      EXPECT_EQ(one_candidates[i].token_id, all_candidates[r * k + i].token_id);
+    }
+  }
+}
+
+TEST(LmHeadSummaryTest, RejectsInvalidSamplingParams) {
+  std::vector<float> logits(6, 1.0f);
+  std::vector<NodeSummary> out(2);
+  std::vector<int64_t> positions = {3, 4};
+  std::vector<Candidate> candidates(2 * 1024);
+  const LmHeadSummaryParams good{.logits = logits.data(),
+                                 .out = out.data(),
+                                 .rows = 2,
+                                 .vocab_shard = 3,
+                                 .temperature = 1.0f,
+                                 .positions = positions.data(),
+                                 .num_candidates = 2,
+                                 .candidates = candidates.data()};
+  EXPECT_TRUE(cpu::LmHeadSummary(good).ok());
+  LmHeadSummaryParams p = good;
+  p.temperature = -0.5f;
+  ExpectInvalid(cpu::LmHeadSummary(p), "temperature");
+  p.temperature = std::numeric_limits<float>::quiet_NaN();
+  ExpectInvalid(cpu::LmHeadSummary(p), "temperature");
+  p.temperature = std::numeric_limits<float>::infinity();
+  ExpectInvalid(cpu::LmHeadSummary(p), "temperature");
+  p = good;
+  p.positions = nullptr;
+  ExpectInvalid(cpu::LmHeadSummary(p), "positions");
+  p.temperature = 0.0f;  // greedy needs no positions
+  EXPECT_TRUE(cpu::LmHeadSummary(p).ok());
+  p = good;
+  p.num_candidates = 1025;
+  ExpectInvalid(cpu::LmHeadSummary(p), "num_candidates");
+  p.num_candidates = -1;
+  ExpectInvalid(cpu::LmHeadSummary(p), "num_candidates");
+  p.num_candidates = 1024;
+  EXPECT_TRUE(cpu::LmHeadSummary(p).ok());
+  p.candidates = nullptr;
+  ExpectInvalid(cpu::LmHeadSummary(p), "candidates");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -82,21 +82,23 @@ class AttentionFixture {
     }
     out_.assign(size_t(row_offsets_.back()) * kHeads * kLatent, NAN);
     lse_.assign(size_t(row_offsets_.back()) * kHeads, NAN);
-    return MlaVerifyParams<float>{.q = q,
-                                  .kv_cache = cache_.data(),
-                                  .page_table = page_table_.data(),
-                                  .committed_lengths = committed_.data(),
-                                  .row_offsets = row_offsets_.data(),
-                                  .ancestor_mask = masks_.data(),
-                                  .out = out_.data(),
-                                  .lse = lse_.data(),
-                                  .num_seqs = static_cast<int32_t>(sequences.size()),
-                                  .num_heads = kHeads,
-                                  .latent_dim = kLatent,
-                                  .rope_dim = kRope,
-                                  .page_size = kPageSize,
-                                  .max_pages_per_seq = max_pages_,
-                                  .softmax_scale = kScale};
+    return MlaVerifyParams<float>{
+        .q = q,
+        .kv_cache = cache_.data(),
+        .page_table = page_table_.data(),
+        .committed_lengths = committed_.data(),
+        .row_offsets = row_offsets_.data(),
+        .ancestor_mask = masks_.data(),
+        .out = out_.data(),
+        .lse = lse_.data(),
+        .num_seqs = static_cast<int32_t>(sequences.size()),
+        .num_heads = kHeads,
+        .latent_dim = kLatent,
+        .rope_dim = kRope,
+        .page_size = kPageSize,
+        .max_pages_per_seq = max_pages_,
+        .num_pages = static_cast<int32_t>(cache_.size() / (kPageSize * kRowDim)),
+        .softmax_scale = kScale};
   }
 
   const float* KeyRow(const Sequence& s, int32_t slot) const {
@@ -225,6 +227,9 @@ TEST(MlaVerifyAttentionTest, RejectsBadShapes) {
   EXPECT_EQ(cpu::MlaVerifyAttention(p).code(), absl::StatusCode::kInvalidArgument);
   p = f.Params(f.sequences_, f.q_.data());
   p.ancestor_mask = nullptr;
+  EXPECT_EQ(cpu::MlaVerifyAttention(p).code(), absl::StatusCode::kInvalidArgument);
+  p = f.Params(f.sequences_, f.q_.data());
+  p.num_pages -= 1;  // the highest page id in use is now out of range
   EXPECT_EQ(cpu::MlaVerifyAttention(p).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -2,6 +2,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -570,8 +571,8 @@ TEST(ModelConfigTest, YarnAttentionFactor) {
 }
 
 TEST(ModelConfigTest, FromFileReadsAndNamesThePath) {
-  const std::filesystem::path dir =
-      std::filesystem::path(testing::TempDir()) / "model_config_test_from_file";
+  const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) /
+                                    ("model_config_test_from_file_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "config.json").string();
@@ -716,6 +717,13 @@ TEST(ModelConfigRefusedTest, InvalidJson) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json: not valid JSON"));
+}
+
+// Deep nesting in a field: refused naming the field, never a stack overflow.
+TEST(ModelConfigRefusedTest, DeeplyNestedField) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  ExpectRefused(With(kDeepseekV3, "\"kv_lora_rank\": 512", "\"kv_lora_rank\": " + deep),
+                "\"kv_lora_rank\"");
 }
 
 TEST(ModelConfigRefusedTest, NotAnObject) {

@@ -1,12 +1,14 @@
-// The forward pass of the CPU backend: trees equal chains bit for bit, batch invariance, tensor
-// parallelism, KV commit/release and per-sequence failure isolation. Models are tiny random
-// checkpoints written by the generator in the real format.
+// The forward pass of the CPU backend: trees equal chains bit for bit (summaries and sampled
+// tokens), batch invariance, tensor parallelism, KV commit/release, per-sequence failure isolation
+// and hidden-state capture. Models are tiny random checkpoints written by the generator in the
+// real format.
 #include "treeverify/worker/model_runner.h"
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -14,8 +16,13 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "treeverify/coordinator/token_selector.h"
+#include "treeverify/kernels/gemm.h"
+#include "treeverify/kernels/philox.h"
+#include "treeverify/kernels/rms_norm.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
+#include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::worker {
 namespace {
@@ -355,6 +362,239 @@ TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {
   }
   // Only sequence 2 holds pages now.
   EXPECT_EQ(model->rank(0).kv_cache().used_pages(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling and hidden states
+
+std::vector<int32_t> Depths(const std::vector<int32_t>& parents) {
+  std::vector<int32_t> depth(parents.size());
+  for (size_t i = 0; i < parents.size(); ++i) depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+  return depth;
+}
+
+std::vector<coordinator::ShardNode> ShardsOf(const LocalSegmentResult& result, size_t node,
+                                             int32_t candidates) {
+  std::vector<coordinator::ShardNode> shards;
+  for (size_t r = 0; r < result.shard_summaries.size(); ++r) {
+    shards.push_back(
+        {&result.shard_summaries[r][node],
+         absl::MakeConstSpan(result.shard_candidates[r]).subspan(node * candidates, candidates)});
+  }
+  return shards;
+}
+
+// A tree node samples exactly what the same node computed as a chain samples, on every rank; the
+// shard winners reduce to the Gumbel-max of the full logits at the position the node predicts
+// (committed_length + depth + 1).
+TEST(ModelRunnerSamplingTest, TreeNodeSamplesWhatItsChainSamples) {
+  const unsigned seed = 17;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  LocalModelOptions options;
+  options.world_size = 2;
+  options.kv_page_size = 16;
+  auto model = MakeModel("tiny-v3", options);
+  ASSERT_NE(model, nullptr);
+  const int vocab = static_cast<int>(model->config().vocab_size);
+  const SegmentSampling sampling{.temperature = 2.0f, .seed = 0x5EED5EED5EEDull, .candidates = 8};
+  const coordinator::SamplingParams unrestricted{.temperature = sampling.temperature,
+                                                 .seed = sampling.seed};
+  coordinator::SamplingParams top_k = unrestricted;
+  top_k.top_k = 5;
+
+  const int prefix_length = 23;
+  const int nodes = 40;
+  const std::vector<int32_t> prefix = RandomTokens(prefix_length, vocab, rng);
+  const std::vector<int32_t> tokens = RandomTokens(nodes, vocab, rng);
+  const std::vector<int32_t> parents = RandomParents(nodes, false, rng);
+  const std::vector<int32_t> depth = Depths(parents);
+  ASSERT_TRUE(model->Prefill(1, prefix).ok());
+  PrefillTokenByToken(*model, 2, prefix);
+  SegmentInput tree_input{.sequence_id = 1, .token_ids = tokens, .parents = parents};
+  tree_input.sampling = sampling;
+  const LocalSegmentResult tree = ForwardOne(*model, tree_input, /*logits=*/true);
+  ASSERT_TRUE(tree.status.ok()) << tree.status;
+  ASSERT_EQ(tree.shard_summaries.size(), 2u);
+
+  int differs_from_greedy = 0;
+  for (int node = 0; node < nodes; ++node) {
+    const std::string what = "node " + std::to_string(node);
+    std::vector<int32_t> path;
+    for (int32_t a = node; a >= 0; a = parents[a]) path.insert(path.begin(), tokens[a]);
+    SegmentInput chain_input{
+        .sequence_id = 2,
+        .token_ids = path,
+        .parents = SegmentTree::ChainParents(static_cast<int32_t>(path.size()))};
+    chain_input.sampling = sampling;
+    const LocalSegmentResult chain = ForwardOne(*model, chain_input);
+    ASSERT_TRUE(chain.status.ok()) << chain.status;
+    const size_t last = path.size() - 1;
+    for (int r = 0; r < 2; ++r) {
+      const NodeSummary& a = tree.shard_summaries[r][node];
+      const NodeSummary& b = chain.shard_summaries[r][last];
+      EXPECT_EQ(a.sampled_token, b.sampled_token) << what << " rank " << r;
+      EXPECT_EQ(a.sampled_score, b.sampled_score) << what << " rank " << r;
+      EXPECT_EQ(a.sampled_logit, b.sampled_logit) << what << " rank " << r;
+      EXPECT_EQ(a.log_sum_exp_at_temperature, b.log_sum_exp_at_temperature) << what;
+      for (int32_t i = 0; i < sampling.candidates; ++i) {
+        EXPECT_EQ(tree.shard_candidates[r][node * sampling.candidates + i].token_id,
+                  chain.shard_candidates[r][last * sampling.candidates + i].token_id)
+            << what << " rank " << r << " candidate " << i;
+      }
+    }
+    const int64_t position = prefix_length + depth[node] + 1;
+    for (const coordinator::SamplingParams& params : {unrestricted, top_k}) {
+      auto from_tree =
+          coordinator::SelectToken(ShardsOf(tree, node, sampling.candidates), params, position);
+      auto from_chain =
+          coordinator::SelectToken(ShardsOf(chain, last, sampling.candidates), params, position);
+      ASSERT_TRUE(from_tree.ok()) << from_tree.status();
+      ASSERT_TRUE(from_chain.ok()) << from_chain.status();
+      EXPECT_EQ(from_tree->token, from_chain->token) << what << " top_k " << params.top_k;
+    }
+    // The reduced winner is the Gumbel-max of the node's full logits.
+    const float* logits = tree.logits.data() + int64_t{node} * vocab;
+    int32_t expected = 0;
+    double best = -std::numeric_limits<double>::infinity();
+    for (int32_t v = 0; v < vocab; ++v) {
+      const double score =
+          kernels::GumbelMaxScore(logits[v], sampling.temperature, sampling.seed, position, v);
+      if (score > best) {
+        best = score;
+        expected = v;
+      }
+    }
+    auto selected =
+        coordinator::SelectToken(ShardsOf(tree, node, sampling.candidates), unrestricted, position);
+    ASSERT_TRUE(selected.ok());
+    EXPECT_EQ(selected->token, expected) << what;
+    differs_from_greedy += selected->token != tree.summaries[node].argmax;
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(differs_from_greedy, 0) << "at T = 2 some node should sample a non-argmax token";
+}
+
+TEST(ModelRunnerSamplingTest, BadSamplingOrLayersFailTheirSequenceAlone) {
+  auto model = MakeModel("tiny-v3");
+  ASSERT_NE(model, nullptr);
+  const int32_t layers = static_cast<int32_t>(model->config().num_hidden_layers);
+  ForwardRequest request;
+  request.segments.push_back({.sequence_id = 1, .token_ids = {1, 2}, .parents = {-1, 0}});
+  request.segments.back().sampling.temperature = -1.0f;
+  request.segments.push_back({.sequence_id = 2, .token_ids = {1}, .parents = {-1}});
+  request.segments.back().sampling = {.temperature = 1.0f, .candidates = 1025};
+  request.segments.push_back({.sequence_id = 3, .token_ids = {1}, .parents = {-1}});
+  request.segments.back().hidden_state_layers = {0, layers + 1};
+  request.segments.push_back({.sequence_id = 4, .token_ids = {1}, .parents = {-1}});
+  request.segments.back().hidden_state_layers = {1, 1};
+  request.segments.push_back({.sequence_id = 5, .token_ids = {1}, .parents = {-1}});
+  request.segments.back().hidden_state_layers = {-1};
+  request.segments.push_back({.sequence_id = 6, .token_ids = {1, 2}, .parents = {-1, 0}});
+  request.segments.back().sampling = {.temperature = 1.0f, .seed = 4, .candidates = 3};
+  request.segments.back().hidden_state_layers = {layers, 0};
+  auto results = model->Forward(request);
+  ASSERT_TRUE(results.ok()) << results.status();
+  const std::vector<std::string> messages = {"temperature", "candidates", "hidden_state_layers[1]",
+                                             "twice", "hidden_state_layers[0]"};
+  for (size_t s = 0; s < messages.size(); ++s) {
+    EXPECT_EQ((*results)[s].status.code(), absl::StatusCode::kInvalidArgument) << "segment " << s;
+    EXPECT_THAT(std::string((*results)[s].status.message()), testing::HasSubstr(messages[s]));
+  }
+  const LocalSegmentResult& good = (*results)[5];
+  ASSERT_TRUE(good.status.ok()) << good.status;
+  EXPECT_EQ(good.shard_candidates[0].size(), 6u);
+  EXPECT_GE(good.shard_summaries[0][1].sampled_token, 0);
+  ASSERT_EQ(good.hidden_states.size(), 2u);
+  EXPECT_EQ(good.hidden_states[0].layer, layers);
+  EXPECT_EQ(good.hidden_states[1].layer, 0);
+  EXPECT_EQ(good.hidden_states[1].values.size(), 2u * model->config().hidden_size);
+  // The rejected sequences hold no pages.
+  EXPECT_EQ(model->rank(0).kv_cache().used_pages(), 1);
+}
+
+// Layer 0 is the embedding; the last layer's rows through the final norm and the LM head are
+// the logits; tensor parallelism gives the same hidden states within 1e-4.
+TEST(ModelRunnerHiddenStatesTest, LayersAreTheResidualStream) {
+  const unsigned seed = 19;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  auto model = MakeModel("tiny-v3");
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& config = model->config();
+  const int vocab = static_cast<int>(config.vocab_size);
+  const int64_t hidden = config.hidden_size;
+  const int32_t layers = static_cast<int32_t>(config.num_hidden_layers);
+  const std::vector<int32_t> prefix = RandomTokens(13, vocab, rng);
+  const std::vector<int32_t> tokens = RandomTokens(9, vocab, rng);
+  const std::vector<int32_t> parents = RandomParents(9, false, rng);
+  std::vector<int32_t> requested = {layers};
+  for (int32_t l = 0; l < layers; ++l) requested.push_back(l);
+
+  auto run = [&](LocalModel& m) {
+    EXPECT_TRUE(m.Prefill(1, prefix).ok());
+    SegmentInput input{.sequence_id = 1, .token_ids = tokens, .parents = parents};
+    input.hidden_state_layers = requested;
+    LocalSegmentResult result = ForwardOne(m, input, /*logits=*/true);
+    EXPECT_TRUE(m.Release(1).ok());
+    return result;
+  };
+  const LocalSegmentResult result = run(*model);
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  ASSERT_EQ(result.hidden_states.size(), requested.size());
+  for (size_t i = 0; i < requested.size(); ++i) {
+    EXPECT_EQ(result.hidden_states[i].layer, requested[i]);
+    ASSERT_EQ(result.hidden_states[i].values.size(), tokens.size() * hidden);
+  }
+
+  const ModelWeights& weights = model->rank(0).weights();
+  const std::vector<float>& embedded = result.hidden_states[1].values;  // layer 0
+  for (size_t n = 0; n < tokens.size(); ++n) {
+    for (int64_t i = 0; i < hidden; ++i) {
+      ASSERT_EQ(embedded[n * hidden + i], weights.embedding[tokens[n] * hidden + i])
+          << "node " << n << " dim " << i;
+    }
+  }
+  // Consecutive layers differ: each capture is its own layer's output.
+  EXPECT_NE(result.hidden_states[1].values, result.hidden_states[2].values);
+
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  std::vector<float> normed(rows * hidden);
+  std::vector<float> logits(rows * vocab);
+  ASSERT_TRUE(kernels::cpu::RmsNorm({.input = result.hidden_states[0].values.data(),
+                                     .weight = weights.final_norm.data(),
+                                     .output = normed.data(),
+                                     .rows = rows,
+                                     .dim = hidden,
+                                     .eps = static_cast<float>(config.rms_norm_eps)})
+                  .ok());
+  ASSERT_TRUE(kernels::cpu::Gemm({.x = normed.data(),
+                                  .weight = weights.lm_head.data(),
+                                  .y = logits.data(),
+                                  .m = rows,
+                                  .n = vocab,
+                                  .k = hidden})
+                  .ok());
+  for (size_t i = 0; i < logits.size(); ++i) {
+    ASSERT_NEAR(logits[i], result.logits[i], 1e-5) << "row " << i / vocab << " logit " << i % vocab;
+  }
+
+  LocalModelOptions options;
+  options.world_size = 2;
+  auto tp2 = MakeModel("tiny-v3", options);
+  ASSERT_NE(tp2, nullptr);
+  const LocalSegmentResult sharded = run(*tp2);
+  ASSERT_TRUE(sharded.status.ok()) << sharded.status;
+  ASSERT_EQ(sharded.hidden_states.size(), requested.size());
+  for (size_t l = 0; l < requested.size(); ++l) {
+    ASSERT_EQ(sharded.hidden_states[l].layer, requested[l]);
+    const std::vector<float>& expected = result.hidden_states[l].values;
+    const std::vector<float>& actual = sharded.hidden_states[l].values;
+    ASSERT_EQ(expected.size(), actual.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_NEAR(expected[i], actual[i], 1e-4) << "layer " << requested[l] << " element " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -598,6 +598,14 @@ TEST_F(SafetensorsTest, CorruptMetadataNotStrings) {
   ExpectCorrupt("x.safetensors", {"__metadata__", "\"format\""});
 }
 
+// Deep nesting where a dtype belongs: refused with a message, never a stack overflow.
+TEST_F(SafetensorsTest, CorruptDeeplyNestedValue) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  WriteRaw("x.safetensors",
+           R"({"w": {"dtype": )" + deep + R"(, "shape": [1], "data_offsets": [0, 4]}})", "abcd");
+  ExpectCorrupt("x.safetensors", {"\"w\"", "dtype", "an array of 1"});
+}
+
 TEST_F(SafetensorsTest, MissingFileIsNotFound) {
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file =
       SafetensorsFile::Open(Path("absent.safetensors"));

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "treeverify/kernels/kv_cache_ops.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::worker {
@@ -182,16 +183,21 @@ absl::Status KvCache::Commit(uint64_t seq_id, absl::Span<const int32_t> accepted
   // accepted_nodes[k] >= k, so copying in order k = 0, 1, ... never overwrites a row that is
   // still to be read.
   const int64_t committed = sequence.committed_length;
-  const int64_t row_dim = options_.row_dim;
-  for (int64_t layer = 0; layer < options_.num_layers; ++layer) {
-    float* rows = layer_data(layer);
-    for (size_t k = 0; k < accepted_nodes.size(); ++k) {
-      const int64_t node = accepted_nodes[k];
-      if (node == static_cast<int64_t>(k)) continue;
-      const int64_t src = SlotOf(sequence, committed + node);
-      const int64_t dst = SlotOf(sequence, committed + static_cast<int64_t>(k));
-      std::copy_n(rows + src * row_dim, row_dim, rows + dst * row_dim);
-    }
+  std::vector<int64_t> src_slots, dst_slots;
+  for (size_t k = 0; k < accepted_nodes.size(); ++k) {
+    const int64_t node = accepted_nodes[k];
+    if (node == static_cast<int64_t>(k)) continue;  // already in place
+    src_slots.push_back(SlotOf(sequence, committed + node));
+    dst_slots.push_back(SlotOf(sequence, committed + static_cast<int64_t>(k)));
+  }
+  for (int64_t layer = 0; !src_slots.empty() && layer < options_.num_layers; ++layer) {
+    TV_RETURN_IF_ERROR(
+        kernels::cpu::KvCopy({.src_slots = src_slots.data(),
+                              .dst_slots = dst_slots.data(),
+                              .cache = layer_data(layer),
+                              .count = static_cast<int64_t>(src_slots.size()),
+                              .row_dim = options_.row_dim,
+                              .num_slots = options_.num_pages * options_.page_size}));
   }
   sequence.committed_length += static_cast<int64_t>(accepted_nodes.size());
   sequence.segment_length = 0;

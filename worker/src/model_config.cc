@@ -24,6 +24,9 @@ constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
 
 // A short rendering of a JSON value for error messages.
 std::string Render(const Json& value) {
+  // Containers are named, not dumped: dump() recurses, and a hostile file can nest deeply.
+  if (value.is_array()) return absl::StrCat("an array of ", value.size());
+  if (value.is_object()) return absl::StrCat("an object of ", value.size(), " keys");
   std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (text.size() > 60) text = absl::StrCat(text.substr(0, 57), "...");
   return text;
@@ -368,8 +371,9 @@ absl::Status ParseMoe(const FieldReader& root, ModelConfig& config) {
                                    " experts of the \"topk_group\" groups a token may use"));
   }
   // noaux_tc ranks a group by the sum of its two best experts.
-  if (config.topk_method == kernels::MoeTopkMethod::kNoauxTc && config.n_group > 1 &&
-      experts_per_group < 2) {
+  // noaux_tc ranks groups by their two best experts (transformers' topk(2)), so every group
+  // needs two, with one group too; the MoE kernel refuses the rest.
+  if (config.topk_method == kernels::MoeTopkMethod::kNoauxTc && experts_per_group < 2) {
     return root.Error("n_group", absl::StrCat("(", config.n_group,
                                               ") leaves fewer than 2 experts per group, which "
                                               "noaux_tc needs"));

@@ -1,6 +1,7 @@
 #include "treeverify/worker/model_runner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,12 +29,19 @@ struct ModelRunner::Batch {
   std::vector<size_t> segment_of_sequence;  // [sequences] index into the request
   std::vector<int32_t> token_ids;           // [rows]
   std::vector<int32_t> positions;           // [rows] committed_length + depth
-  std::vector<int64_t> slots;               // [rows] cache slot of each row's own KV
-  std::vector<int32_t> row_offsets{0};      // [sequences + 1]
-  std::vector<int32_t> committed_lengths;   // [sequences]
-  std::vector<uint64_t> ancestor_mask;      // [rows, kAncestorMaskWords]
-  std::vector<int32_t> page_table;          // [sequences, max_pages], padded with page 0
+  // [rows] committed_length + depth + 1: the position of the token each row predicts, which keys
+  // its sampling noise.
+  std::vector<int64_t> sample_positions;
+  std::vector<int64_t> slots;              // [rows] cache slot of each row's own KV
+  std::vector<int32_t> row_offsets{0};     // [sequences + 1]
+  std::vector<int32_t> committed_lengths;  // [sequences]
+  std::vector<uint64_t> ancestor_mask;     // [rows, kAncestorMaskWords]
+  std::vector<int32_t> page_table;         // [sequences, max_pages], padded with page 0
   int32_t max_pages = 0;
+  // Hidden states some sequence asked for: capture_layer[l] for l in 0..num_hidden_layers, and
+  // layer_hidden[l] = [rows, hidden] once captured.
+  std::vector<bool> capture_layer;
+  std::vector<std::vector<float>> layer_hidden;
 
   int64_t rows() const { return static_cast<int64_t>(token_ids.size()); }
   int32_t sequences() const { return static_cast<int32_t>(committed_lengths.size()); }
@@ -107,6 +115,31 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
                                                      ")"));
     }
   }
+  const SegmentSampling& sampling = input.sampling;
+  if (!std::isfinite(sampling.temperature) || sampling.temperature < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling temperature must be finite and >= 0, got ", sampling.temperature));
+  }
+  if (sampling.candidates < 0 || sampling.candidates > kernels::kMaxSummaryCandidates) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling candidates must be in 0..",
+                                                   kernels::kMaxSummaryCandidates, ", got ",
+                                                   sampling.candidates));
+  }
+  const int32_t num_layers = static_cast<int32_t>(weights_->config.num_hidden_layers);
+  std::vector<bool> requested(num_layers + 1, false);
+  for (size_t i = 0; i < input.hidden_state_layers.size(); ++i) {
+    const int32_t layer = input.hidden_state_layers[i];
+    if (layer < 0 || layer > num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "hidden_state_layers[", i, "] = ", layer, " is not a layer: 0 (embedding) .. ",
+          num_layers, " (the last decoder layer's output)"));
+    }
+    if (requested[layer]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden_state_layers lists layer ", layer, " twice"));
+    }
+    requested[layer] = true;
+  }
   const int64_t commit_count = input.commit_nodes ? input.commit_nodes->size() : 0;
   if (input.expected_committed_length &&
       *input.expected_committed_length != kv_cache_->committed_length(id) + commit_count) {
@@ -129,12 +162,14 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
   for (int64_t i = 0; i < nodes; ++i) {
     batch.token_ids.push_back(input.token_ids[i]);
     batch.positions.push_back(committed + tree->depth[i]);
+    batch.sample_positions.push_back(int64_t{committed} + tree->depth[i] + 1);
     batch.slots.push_back(slots[i]);
   }
   batch.ancestor_mask.insert(batch.ancestor_mask.end(), tree->ancestor_mask.begin(),
                              tree->ancestor_mask.end());
   batch.row_offsets.push_back(static_cast<int32_t>(batch.rows()));
   batch.committed_lengths.push_back(committed);
+  for (int32_t layer : input.hidden_state_layers) batch.capture_layer[layer] = true;
   return absl::OkStatus();
 }
 
@@ -143,6 +178,8 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   ForwardResult result;
   result.segments.resize(request.segments.size());
   Batch batch;
+  batch.capture_layer.assign(c.num_hidden_layers + 1, false);
+  batch.layer_hidden.resize(c.num_hidden_layers + 1);
   for (size_t i = 0; i < request.segments.size(); ++i) {
     const int64_t rows_before = batch.rows();
     SegmentOutput& output = result.segments[i];
@@ -177,6 +214,7 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
                       .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin),
                       .vocab_end = static_cast<int32_t>(weights_->plan.vocab.end)}));
   TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(hidden)));
+  if (batch.capture_layer[0]) batch.layer_hidden[0] = hidden;
   TV_RETURN_IF_ERROR(RunLayers(batch, hidden));
 
   TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = hidden.data(),
@@ -193,25 +231,49 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
                                 .m = rows,
                                 .n = vocab_shard,
                                 .k = hidden_size}));
-  std::vector<kernels::NodeSummary> summaries(rows);
-  TV_RETURN_IF_ERROR(
-      cpu::LmHeadSummary({.logits = logits.data(),
-                          .out = summaries.data(),
-                          .rows = rows,
-                          .vocab_shard = vocab_shard,
-                          .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin)}));
+  TV_RETURN_IF_ERROR(Summarize(request, batch, logits, result));
+  return result;
+}
 
+// Each sequence has its own sampling parameters, so the summary runs once per sequence; a row's
+// summary depends only on its own logits and position, so this changes no result.
+absl::Status ModelRunner::Summarize(const ForwardRequest& request, const Batch& batch,
+                                    const std::vector<float>& logits, ForwardResult& result) {
+  const int64_t hidden_size = weights_->config.hidden_size;
+  const int64_t vocab_shard = weights_->plan.vocab.size();
   for (int32_t s = 0; s < batch.sequences(); ++s) {
-    SegmentOutput& output = result.segments[batch.segment_of_sequence[s]];
+    const size_t segment = batch.segment_of_sequence[s];
+    const SegmentInput& input = request.segments[segment];
+    SegmentOutput& output = result.segments[segment];
     const int64_t begin = batch.row_offsets[s];
     const int64_t end = batch.row_offsets[s + 1];
-    output.summaries.assign(summaries.begin() + begin, summaries.begin() + end);
+    const int32_t num_candidates = input.sampling.candidates;
+    output.summaries.resize(end - begin);
+    output.candidates.resize((end - begin) * num_candidates);
+    TV_RETURN_IF_ERROR(
+        cpu::LmHeadSummary({.logits = logits.data() + begin * vocab_shard,
+                            .out = output.summaries.data(),
+                            .rows = end - begin,
+                            .vocab_shard = vocab_shard,
+                            .vocab_begin = static_cast<int32_t>(weights_->plan.vocab.begin),
+                            .temperature = input.sampling.temperature,
+                            .seed = input.sampling.seed,
+                            .positions = batch.sample_positions.data() + begin,
+                            .num_candidates = num_candidates,
+                            .candidates = output.candidates.data()}));
     if (request.return_logits) {
       output.logits.assign(logits.begin() + begin * vocab_shard,
                            logits.begin() + end * vocab_shard);
     }
+    for (int32_t layer : input.hidden_state_layers) {
+      const std::vector<float>& states = batch.layer_hidden[layer];
+      output.hidden_states.push_back(
+          {.layer = layer,
+           .values = std::vector<float>(states.begin() + begin * hidden_size,
+                                        states.begin() + end * hidden_size)});
+    }
   }
-  return result;
+  return absl::OkStatus();
 }
 
 absl::Status ModelRunner::RunLayers(Batch& batch, std::vector<float>& hidden) {
@@ -240,6 +302,7 @@ absl::Status ModelRunner::RunLayers(Batch& batch, std::vector<float>& hidden) {
     TV_RETURN_IF_ERROR(Mlp(l, batch, normed, branch));
     TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(branch)));
     for (size_t i = 0; i < hidden.size(); ++i) hidden[i] += branch[i];
+    if (batch.capture_layer[l + 1]) batch.layer_hidden[l + 1] = hidden;
   }
   return absl::OkStatus();
 }
@@ -355,21 +418,23 @@ absl::Status ModelRunner::Attention(int64_t layer_index, Batch& batch,
 
   std::vector<float> latent_out(rows * heads * lora);
   std::vector<float> lse(rows * heads);
-  TV_RETURN_IF_ERROR(cpu::MlaVerifyAttention({.q = q_attn.data(),
-                                              .kv_cache = cache,
-                                              .page_table = batch.page_table.data(),
-                                              .committed_lengths = batch.committed_lengths.data(),
-                                              .row_offsets = batch.row_offsets.data(),
-                                              .ancestor_mask = batch.ancestor_mask.data(),
-                                              .out = latent_out.data(),
-                                              .lse = lse.data(),
-                                              .num_seqs = batch.sequences(),
-                                              .num_heads = static_cast<int32_t>(heads),
-                                              .latent_dim = static_cast<int32_t>(lora),
-                                              .rope_dim = static_cast<int32_t>(rope),
-                                              .page_size = kv_cache_->options().page_size,
-                                              .max_pages_per_seq = batch.max_pages,
-                                              .softmax_scale = softmax_scale_}));
+  TV_RETURN_IF_ERROR(
+      cpu::MlaVerifyAttention({.q = q_attn.data(),
+                               .kv_cache = cache,
+                               .page_table = batch.page_table.data(),
+                               .committed_lengths = batch.committed_lengths.data(),
+                               .row_offsets = batch.row_offsets.data(),
+                               .ancestor_mask = batch.ancestor_mask.data(),
+                               .out = latent_out.data(),
+                               .lse = lse.data(),
+                               .num_seqs = batch.sequences(),
+                               .num_heads = static_cast<int32_t>(heads),
+                               .latent_dim = static_cast<int32_t>(lora),
+                               .rope_dim = static_cast<int32_t>(rope),
+                               .page_size = kv_cache_->options().page_size,
+                               .max_pages_per_seq = batch.max_pages,
+                               .num_pages = static_cast<int32_t>(kv_cache_->options().num_pages),
+                               .softmax_scale = softmax_scale_}));
 
   // Back out of the latent space through W_UV, then o_proj (a partial sum over this rank's
   // heads; the caller all-reduces).

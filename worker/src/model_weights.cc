@@ -9,54 +9,33 @@
 namespace treeverify::worker {
 namespace {
 
-absl::StatusOr<ShardRange> NonEmptyShard(int64_t total, int world_size, int rank,
-                                         absl::string_view what) {
-  ShardRange range = Shard(total, world_size, rank);
-  if (range.size() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " (", total, ") cannot be split over ",
-                                                   world_size, " tensor-parallel ranks"));
-  }
-  return range;
+// A rank's row or column range of a checkpoint tensor, as fp32.
+absl::StatusOr<std::vector<float>> Rows(const Checkpoint& checkpoint, const std::string& name,
+                                        const std::vector<int64_t>& shape, ShardRange rows) {
+  return checkpoint.ReadRows(name, shape, rows.begin, rows.end);
+}
+absl::StatusOr<std::vector<float>> Columns(const Checkpoint& checkpoint, const std::string& name,
+                                           const std::vector<int64_t>& shape, ShardRange columns) {
+  return checkpoint.ReadColumns(name, shape, columns.begin, columns.end);
 }
 
-// Reads the rank's slice of one checkpoint tensor.
-class SliceReader {
- public:
-  explicit SliceReader(const Checkpoint& checkpoint) : checkpoint_(checkpoint) {}
-
-  absl::StatusOr<std::vector<float>> Whole(const std::string& name, std::vector<int64_t> shape) {
-    return checkpoint_.Read(name, shape);
-  }
-  absl::StatusOr<std::vector<float>> Rows(const std::string& name, std::vector<int64_t> shape,
-                                          ShardRange rows) {
-    return checkpoint_.ReadRows(name, shape, rows.begin, rows.end);
-  }
-  absl::StatusOr<std::vector<float>> Columns(const std::string& name, std::vector<int64_t> shape,
-                                             ShardRange columns) {
-    return checkpoint_.ReadColumns(name, shape, columns.begin, columns.end);
-  }
-
- private:
-  const Checkpoint& checkpoint_;
-};
-
 // A gated MLP [gate; up] x down whose intermediate columns `columns` this rank holds.
-absl::StatusOr<MlpWeights> LoadMlp(SliceReader& reader, const std::string& prefix, int64_t hidden,
-                                   int64_t intermediate, ShardRange columns) {
+absl::StatusOr<MlpWeights> LoadMlp(const Checkpoint& reader, const std::string& prefix,
+                                   int64_t hidden, int64_t intermediate, ShardRange columns) {
   MlpWeights mlp;
   mlp.intermediate = columns.size();
   TV_ASSIGN_OR_RETURN(std::vector<float> gate,
-                      reader.Rows(prefix + "gate_proj.weight", {intermediate, hidden}, columns));
+                      Rows(reader, prefix + "gate_proj.weight", {intermediate, hidden}, columns));
   TV_ASSIGN_OR_RETURN(std::vector<float> up,
-                      reader.Rows(prefix + "up_proj.weight", {intermediate, hidden}, columns));
+                      Rows(reader, prefix + "up_proj.weight", {intermediate, hidden}, columns));
   mlp.gate_up = std::move(gate);
   mlp.gate_up.insert(mlp.gate_up.end(), up.begin(), up.end());
-  TV_ASSIGN_OR_RETURN(mlp.down,
-                      reader.Columns(prefix + "down_proj.weight", {hidden, intermediate}, columns));
+  TV_ASSIGN_OR_RETURN(
+      mlp.down, Columns(reader, prefix + "down_proj.weight", {hidden, intermediate}, columns));
   return mlp;
 }
 
-absl::StatusOr<AttentionWeights> LoadAttention(SliceReader& reader, const std::string& prefix,
+absl::StatusOr<AttentionWeights> LoadAttention(const Checkpoint& reader, const std::string& prefix,
                                                const ModelConfig& c, const ShardingPlan& plan) {
   AttentionWeights a;
   const int64_t hidden = c.hidden_size;
@@ -66,28 +45,26 @@ absl::StatusOr<AttentionWeights> LoadAttention(SliceReader& reader, const std::s
   const ShardRange q_rows{plan.heads.begin * qk, plan.heads.end * qk};
   if (c.q_lora_rank.has_value()) {
     const int64_t q_lora = *c.q_lora_rank;
-    TV_ASSIGN_OR_RETURN(a.q_a_proj, reader.Whole(prefix + "q_a_proj.weight", {q_lora, hidden}));
-    TV_ASSIGN_OR_RETURN(a.q_a_norm, reader.Whole(prefix + "q_a_layernorm.weight", {q_lora}));
+    TV_ASSIGN_OR_RETURN(a.q_a_proj, reader.Read(prefix + "q_a_proj.weight", {q_lora, hidden}));
+    TV_ASSIGN_OR_RETURN(a.q_a_norm, reader.Read(prefix + "q_a_layernorm.weight", {q_lora}));
     TV_ASSIGN_OR_RETURN(a.q_proj,
-                        reader.Rows(prefix + "q_b_proj.weight", {heads * qk, q_lora}, q_rows));
+                        Rows(reader, prefix + "q_b_proj.weight", {heads * qk, q_lora}, q_rows));
   } else {
     TV_ASSIGN_OR_RETURN(a.q_proj,
-                        reader.Rows(prefix + "q_proj.weight", {heads * qk, hidden}, q_rows));
+                        Rows(reader, prefix + "q_proj.weight", {heads * qk, hidden}, q_rows));
   }
   TV_ASSIGN_OR_RETURN(a.kv_a_proj,
-                      reader.Whole(prefix + "kv_a_proj_with_mqa.weight", {c.kv_row_dim(), hidden}));
-  TV_ASSIGN_OR_RETURN(a.kv_a_norm,
-                      reader.Whole(prefix + "kv_a_layernorm.weight", {c.kv_lora_rank}));
+                      reader.Read(prefix + "kv_a_proj_with_mqa.weight", {c.kv_row_dim(), hidden}));
+  TV_ASSIGN_OR_RETURN(a.kv_a_norm, reader.Read(prefix + "kv_a_layernorm.weight", {c.kv_lora_rank}));
 
   // kv_b_proj rows per head: qk_nope_head_dim key rows, then v_head_dim value rows, each
   // kv_lora_rank wide. The absorbed form needs the key part transposed (q_nope -> latent).
   const int64_t nope = c.qk_nope_head_dim;
   const int64_t v = c.v_head_dim;
   const int64_t lora = c.kv_lora_rank;
-  TV_ASSIGN_OR_RETURN(
-      std::vector<float> kv_b,
-      reader.Rows(prefix + "kv_b_proj.weight", {heads * (nope + v), lora},
-                  ShardRange{plan.heads.begin * (nope + v), plan.heads.end * (nope + v)}));
+  TV_ASSIGN_OR_RETURN(std::vector<float> kv_b,
+                      Rows(reader, prefix + "kv_b_proj.weight", {heads * (nope + v), lora},
+                           ShardRange{plan.heads.begin * (nope + v), plan.heads.end * (nope + v)}));
   a.w_uk_t.resize(local_heads * lora * nope);
   a.w_uv.resize(local_heads * v * lora);
   for (int64_t h = 0; h < local_heads; ++h) {
@@ -98,31 +75,31 @@ absl::StatusOr<AttentionWeights> LoadAttention(SliceReader& reader, const std::s
     std::copy(head_rows + nope * lora, head_rows + (nope + v) * lora,
               a.w_uv.begin() + h * v * lora);
   }
-  TV_ASSIGN_OR_RETURN(a.o_proj,
-                      reader.Columns(prefix + "o_proj.weight", {hidden, heads * v},
-                                     ShardRange{plan.heads.begin * v, plan.heads.end * v}));
+  TV_ASSIGN_OR_RETURN(a.o_proj, Columns(reader, prefix + "o_proj.weight", {hidden, heads * v},
+                                        ShardRange{plan.heads.begin * v, plan.heads.end * v}));
   return a;
 }
 
-absl::StatusOr<MoeWeights> LoadMoe(SliceReader& reader, const std::string& prefix,
+absl::StatusOr<MoeWeights> LoadMoe(const Checkpoint& reader, const std::string& prefix,
                                    const ModelConfig& c, const ShardingPlan& plan) {
   MoeWeights m;
   const int64_t hidden = c.hidden_size;
   const int64_t experts = c.n_routed_experts;
   const int64_t inter = c.moe_intermediate_size;
-  TV_ASSIGN_OR_RETURN(m.router, reader.Whole(prefix + "gate.weight", {experts, hidden}));
+  TV_ASSIGN_OR_RETURN(m.router, reader.Read(prefix + "gate.weight", {experts, hidden}));
   if (c.topk_method == kernels::MoeTopkMethod::kNoauxTc) {
     TV_ASSIGN_OR_RETURN(m.correction_bias,
-                        reader.Whole(prefix + "gate.e_score_correction_bias", {experts}));
+                        reader.Read(prefix + "gate.e_score_correction_bias", {experts}));
   }
   for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
     const std::string expert = absl::StrCat(prefix, "experts.", e, ".");
-    TV_ASSIGN_OR_RETURN(MlpWeights mlp,
-                        LoadMlp(reader, expert, hidden, inter, plan.expert_intermediate));
-    const int64_t cols = plan.expert_intermediate.size();
-    m.gate_proj.emplace_back(mlp.gate_up.begin(), mlp.gate_up.begin() + cols * hidden);
-    m.up_proj.emplace_back(mlp.gate_up.begin() + cols * hidden, mlp.gate_up.end());
-    m.down_proj.push_back(std::move(mlp.down));
+    const ShardRange columns = plan.expert_intermediate;
+    TV_ASSIGN_OR_RETURN(m.gate_proj.emplace_back(),
+                        Rows(reader, expert + "gate_proj.weight", {inter, hidden}, columns));
+    TV_ASSIGN_OR_RETURN(m.up_proj.emplace_back(),
+                        Rows(reader, expert + "up_proj.weight", {inter, hidden}, columns));
+    TV_ASSIGN_OR_RETURN(m.down_proj.emplace_back(),
+                        Columns(reader, expert + "down_proj.weight", {hidden, inter}, columns));
   }
   for (size_t i = 0; i < m.gate_proj.size(); ++i) {
     m.gate_ptrs.push_back(m.gate_proj[i].data());
@@ -138,71 +115,29 @@ absl::StatusOr<MoeWeights> LoadMoe(SliceReader& reader, const std::string& prefi
 
 }  // namespace
 
-absl::StatusOr<ShardingPlan> ShardingPlan::Make(const ModelConfig& c, int rank, int world_size,
-                                                ExpertSharding expert_sharding) {
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is not within a world of ", world_size, " ranks"));
-  }
-  ShardingPlan plan;
-  plan.rank = rank;
-  plan.world_size = world_size;
-  plan.expert_sharding = expert_sharding;
-  TV_ASSIGN_OR_RETURN(
-      plan.heads, NonEmptyShard(c.num_attention_heads, world_size, rank, "num_attention_heads"));
-  TV_ASSIGN_OR_RETURN(plan.vocab, NonEmptyShard(c.vocab_size, world_size, rank, "vocab_size"));
-  bool any_dense = false;
-  bool any_moe = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    (c.is_moe_layer(l) ? any_moe : any_dense) = true;
-  if (any_dense) {
-    TV_ASSIGN_OR_RETURN(plan.dense_intermediate,
-                        NonEmptyShard(c.intermediate_size, world_size, rank, "intermediate_size"));
-  }
-  if (any_moe) {
-    if (expert_sharding == ExpertSharding::kSplitInside) {
-      plan.experts = ShardRange{0, c.n_routed_experts};
-      TV_ASSIGN_OR_RETURN(
-          plan.expert_intermediate,
-          NonEmptyShard(c.moe_intermediate_size, world_size, rank, "moe_intermediate_size"));
-    } else {
-      TV_ASSIGN_OR_RETURN(plan.experts,
-                          NonEmptyShard(c.n_routed_experts, world_size, rank, "n_routed_experts"));
-      plan.expert_intermediate = ShardRange{0, c.moe_intermediate_size};
-    }
-    if (c.n_shared_experts > 0) {
-      TV_ASSIGN_OR_RETURN(plan.shared_intermediate,
-                          NonEmptyShard(c.moe_intermediate_size * c.n_shared_experts, world_size,
-                                        rank, "shared experts' intermediate size"));
-    }
-  }
-  return plan;
-}
-
 absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const std::string& dir,
                                                                  const ModelConfig& c,
                                                                  const ShardingPlan& plan) {
   TV_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(dir));
-  SliceReader reader(*checkpoint);
+  const Checkpoint& reader = *checkpoint;
   auto w = std::make_unique<ModelWeights>();
   w->config = c;
   w->plan = plan;
   const int64_t hidden = c.hidden_size;
-  TV_ASSIGN_OR_RETURN(w->embedding,
-                      reader.Rows("model.embed_tokens.weight", {c.vocab_size, hidden}, plan.vocab));
-  TV_ASSIGN_OR_RETURN(w->final_norm, reader.Whole("model.norm.weight", {hidden}));
+  TV_ASSIGN_OR_RETURN(
+      w->embedding, Rows(reader, "model.embed_tokens.weight", {c.vocab_size, hidden}, plan.vocab));
+  TV_ASSIGN_OR_RETURN(w->final_norm, reader.Read("model.norm.weight", {hidden}));
   const std::string lm_head =
       c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
-  TV_ASSIGN_OR_RETURN(w->lm_head, reader.Rows(lm_head, {c.vocab_size, hidden}, plan.vocab));
+  TV_ASSIGN_OR_RETURN(w->lm_head, Rows(reader, lm_head, {c.vocab_size, hidden}, plan.vocab));
 
   w->layers.resize(c.num_hidden_layers);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     LayerWeights& layer = w->layers[l];
     const std::string prefix = absl::StrCat("model.layers.", l, ".");
-    TV_ASSIGN_OR_RETURN(layer.input_norm,
-                        reader.Whole(prefix + "input_layernorm.weight", {hidden}));
+    TV_ASSIGN_OR_RETURN(layer.input_norm, reader.Read(prefix + "input_layernorm.weight", {hidden}));
     TV_ASSIGN_OR_RETURN(layer.post_norm,
-                        reader.Whole(prefix + "post_attention_layernorm.weight", {hidden}));
+                        reader.Read(prefix + "post_attention_layernorm.weight", {hidden}));
     TV_ASSIGN_OR_RETURN(layer.attention, LoadAttention(reader, prefix + "self_attn.", c, plan));
     layer.is_moe = c.is_moe_layer(l);
     if (layer.is_moe) {

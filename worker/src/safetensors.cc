@@ -59,6 +59,9 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 // A short rendering of a JSON value for error messages (headers can be huge).
 std::string Quote(const Json& value) {
+  // Containers are named, not dumped: dump() recurses, and a hostile file can nest deeply.
+  if (value.is_array()) return absl::StrCat("an array of ", value.size());
+  if (value.is_object()) return absl::StrCat("an object of ", value.size(), " keys");
   std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (text.size() > 80) text = absl::StrCat(text.substr(0, 77), "...");
   return text;

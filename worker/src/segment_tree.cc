@@ -40,9 +40,4 @@ std::vector<int32_t> SegmentTree::ChainParents(int32_t n) {
   for (int32_t i = 0; i < n; ++i) parents[i] = i - 1;
   return parents;
 }
-
-ShardRange Shard(int64_t total, int world_size, int rank) {
-  return ShardRange{total * rank / world_size, total * (rank + 1) / world_size};
-}
-
 }  // namespace treeverify::worker

@@ -41,6 +41,7 @@ struct MlaVerifyParams {
   int32_t rope_dim = 0;    // 64 in DeepSeek-V3 / Kimi-K2
   int32_t page_size = 0;
   int32_t max_pages_per_seq = 0;
+  int32_t num_pages = 0;  // pages in kv_cache: every page a sequence uses must be below it
   float softmax_scale = 1.0f;
 };
 

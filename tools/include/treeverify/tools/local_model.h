@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "treeverify/coordinator/rank_client.h"
 #include "treeverify/kernels/lm_head_summary.h"
 #include "treeverify/worker/communicator.h"
 #include "treeverify/worker/model_runner.h"
@@ -28,12 +29,17 @@ struct LocalModelOptions {
 };
 
 // The reduced result of one segment: per node, the full-vocabulary summary, and the full logits
-// (shards concatenated in vocabulary order) when requested.
+// (shards concatenated in vocabulary order) when requested. The reduced summaries carry the
+// greedy fields (max logit, argmax, log-sum-exp); for sampling, the ranks' own summaries and
+// candidates are kept so that callers can select with coordinator::SelectToken.
 struct LocalSegmentResult {
   absl::Status status;
   int64_t committed_length = 0;
-  std::vector<kernels::NodeSummary> summaries;  // [nodes]
-  std::vector<float> logits;                    // [nodes, vocab] when requested
+  std::vector<kernels::NodeSummary> summaries;                     // [nodes]
+  std::vector<float> logits;                                       // [nodes, vocab] when requested
+  std::vector<std::vector<kernels::NodeSummary>> shard_summaries;  // [rank][node]
+  std::vector<std::vector<kernels::Candidate>> shard_candidates;   // [rank][node, candidates]
+  std::vector<worker::SegmentOutput::LayerHiddenStates> hidden_states;  // rank 0's, as requested
 };
 
 struct Generation {
@@ -64,6 +70,10 @@ class LocalModel {
                                             const std::vector<int32_t>& prompt, int max_new_tokens);
 
   absl::Status Release(uint64_t sequence_id);
+
+  // In-process rank clients over this model's runners, for a coordinator::VerifyEngine in this
+  // process. The model must outlive them, and must not run Forward itself meanwhile.
+  std::vector<std::unique_ptr<coordinator::RankClient>> RankClients();
 
  private:
   LocalModel(LocalModelOptions options, std::unique_ptr<worker::InProcessGroup> group,

@@ -43,10 +43,10 @@ class SoloCommunicator final : public Communicator {
 // the same order on every rank.
 class InProcessGroup {
  public:
-  // nullptr when world_size < 1.
   // INVALID_ARGUMENT unless world_size >= 1.
   static absl::StatusOr<std::unique_ptr<InProcessGroup>> Create(int world_size);
-  Communicator* communicator(int rank) { return members_[rank].get(); }
+  // rank in [0, world_size()).
+  Communicator* communicator(int rank) { return members_.at(rank).get(); }
   int world_size() const { return static_cast<int>(members_.size()); }
 
  private:

@@ -5,8 +5,10 @@
 //
 // Per sequence the forward (1) commits the previous step's accepted nodes, (2) reserves cache
 // slots for the new rows, (3) runs the layers, (4) returns a summary of this rank's vocabulary
-// shard per node. A sequence whose request is bad or whose cache is full fails alone: its status
-// says why, the others go on.
+// shard per node (with the sequence's own sampling parameters: the Gumbel-max winner of the
+// shard and, for top-k / top-p, its largest logits), and on request the hidden states of chosen
+// layers. A sequence whose request is bad or whose cache is full fails alone: its status says
+// why, the others go on.
 //
 //   TV_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(dir, options, communicator));
 //   ForwardRequest request;
@@ -39,6 +41,15 @@ struct ModelRunnerOptions {
   absl::Status Validate() const;
 };
 
+// How a sequence samples its next tokens. Node i's sampled token is the one for absolute
+// position committed_length + depth(i) + 1 (the position of the token node i predicts), so a
+// tree node samples exactly what the same node computed in a chain samples.
+struct SegmentSampling {
+  float temperature = 0.0f;  // 0: greedy only, no sampled fields in the summaries
+  uint64_t seed = 0;
+  int32_t candidates = 0;  // per node, this shard's largest logits (top-k / top-p), at most 1024
+};
+
 struct SegmentInput {
   uint64_t sequence_id = 0;
   // Accepted node indices of this sequence's previous segment, committed before anything else
@@ -49,6 +60,11 @@ struct SegmentInput {
   std::optional<int64_t> expected_committed_length;
   std::vector<int32_t> token_ids;  // [nodes]
   std::vector<int32_t> parents;    // [nodes]; -1 = hangs on the committed prefix
+  SegmentSampling sampling;
+  // Layers whose hidden states to return for the nodes: 0 = the embedding output (after its
+  // all-reduce), l in 1..num_hidden_layers = the output of decoder layer l - 1 (the residual
+  // stream; the last one is the input of the final norm). Each at most once.
+  std::vector<int32_t> hidden_state_layers;
 };
 
 struct ForwardRequest {
@@ -61,6 +77,14 @@ struct SegmentOutput {
   int64_t committed_length = 0;                 // before this segment's rows
   std::vector<kernels::NodeSummary> summaries;  // [nodes], this rank's vocabulary shard
   std::vector<float> logits;                    // [nodes, vocab shard] when requested
+  std::vector<kernels::Candidate> candidates;   // [nodes, sampling.candidates]
+  struct LayerHiddenStates {
+    int32_t layer;
+    std::vector<float> values;  // [nodes, hidden]
+  };
+  // One per requested layer, in request order. Every rank holds the same values (they follow an
+  // all-reduce); the service sends rank 0's.
+  std::vector<LayerHiddenStates> hidden_states;
 };
 
 struct ForwardResult {
@@ -78,6 +102,7 @@ class ModelRunner {
   const ModelConfig& config() const { return weights_->config; }
   const ShardingPlan& plan() const { return weights_->plan; }
   const KvCache& kv_cache() const { return *kv_cache_; }
+  const ModelWeights& weights() const { return *weights_; }
 
   // Fails as a whole only for errors that concern every sequence (a collective failed).
   absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request);
@@ -90,6 +115,8 @@ class ModelRunner {
               Communicator* communicator);
   absl::Status PrepareSegment(const SegmentInput& input, SegmentOutput& output, Batch& batch);
   absl::Status RunLayers(Batch& batch, std::vector<float>& hidden);
+  absl::Status Summarize(const ForwardRequest& request, const Batch& batch,
+                         const std::vector<float>& logits, ForwardResult& result);
   absl::Status Attention(int64_t layer, Batch& batch, const std::vector<float>& normed,
                          std::vector<float>& out);
   absl::Status Mlp(int64_t layer, Batch& batch, const std::vector<float>& normed,

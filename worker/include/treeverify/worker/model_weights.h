@@ -16,31 +16,9 @@
 
 #include "absl/status/statusor.h"
 #include "treeverify/worker/model_config.h"
-#include "treeverify/worker/segment_tree.h"
+#include "treeverify/worker/sharding_plan.h"
 
 namespace treeverify::worker {
-
-enum class ExpertSharding {
-  kSplitInside,   // every rank holds 1/W of every expert: balanced bytes at small batch
-  kWholeExperts,  // expert parallel: rank r holds experts [r*E/W, (r+1)*E/W)
-};
-
-struct ShardingPlan {
-  int rank = 0;
-  int world_size = 1;
-  ExpertSharding expert_sharding = ExpertSharding::kSplitInside;
-
-  ShardRange heads;
-  ShardRange vocab;
-  ShardRange dense_intermediate;
-  ShardRange expert_intermediate;  // columns of each held expert
-  ShardRange shared_intermediate;  // columns of the shared experts' MLP
-  ShardRange experts;              // experts held
-
-  // Every range must be non-empty where the model has that part; errors name the dimension.
-  static absl::StatusOr<ShardingPlan> Make(const ModelConfig& config, int rank, int world_size,
-                                           ExpertSharding expert_sharding);
-};
 
 struct MlpWeights {
   int64_t intermediate = 0;    // this rank's columns (0: absent)

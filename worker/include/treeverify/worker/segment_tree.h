@@ -26,13 +26,4 @@ struct SegmentTree {
   static std::vector<int32_t> ChainParents(int32_t n);
 };
 
-// Shard [begin, end) of `total` items for `rank` of `world_size`, balanced (sizes differ by at
-// most one). Used for heads, intermediate columns, experts and the vocabulary.
-struct ShardRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-  int64_t size() const { return end - begin; }
-};
-ShardRange Shard(int64_t total, int world_size, int rank);
-
 }  // namespace treeverify::worker

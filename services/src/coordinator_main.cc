@@ -1,0 +1,218 @@
+// treeverify-coordinator: one model replica's coordinator. Serves the public Verifier API and the
+// Rendezvous service its ranks use to form their group; waits for every rank to Join, then
+// builds the VerifyEngine over gRPC rank clients and reports SERVING. See services/README.md.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/services/flag_names.h"
+#include "treeverify/services/grpc_rank_client.h"
+#include "treeverify/services/rendezvous_service.h"
+#include "treeverify/services/server_bootstrap.h"
+#include "treeverify/services/signal_waiter.h"
+#include "treeverify/services/verifier_service.h"
+#include "treeverify/v1/verifier.grpc.pb.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "Address of the Verifier and Rendezvous services (host:port; port 0 picks a free one, "
+          "printed on stdout)");
+ABSL_FLAG(int32_t, world_size, 1, "Tensor-parallel ranks of the replica (workers that must Join)");
+ABSL_FLAG(std::string, model_name, "",
+          "Model name reported by GetModelInfo (default: the model type the ranks report)");
+ABSL_FLAG(int32_t, max_draft_nodes, 255, "Largest draft tree accepted (at most 255)");
+ABSL_FLAG(int64_t, max_context, 0, "Largest context of a session (0: the model's)");
+ABSL_FLAG(int64_t, batch_window_us, 300,
+          "How long a Verify waits for other sessions' trees to share its forward");
+ABSL_FLAG(int64_t, max_batch_rows, 4096, "Rows of one forward (at least 256)");
+ABSL_FLAG(int64_t, max_sessions, 1024, "Live sessions (more: RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int64_t, session_ttl_s, 600, "Idle seconds after which a session expires");
+ABSL_FLAG(int64_t, rank_timeout_s, 60, "Deadline of every call to a rank");
+ABSL_FLAG(int64_t, join_timeout_s, 300, "How long to wait for every rank to Join at start-up");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "Largest gRPC message, both ways");
+ABSL_FLAG(int32_t, max_concurrent_streams, 256, "Concurrent calls per client connection");
+ABSL_FLAG(int64_t, shutdown_grace_s, 10,
+          "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
+
+namespace treeverify::services {
+namespace {
+
+constexpr char kProgram[] = "treeverify-coordinator";
+
+absl::Status Fail(absl::Status status, absl::string_view context) {
+  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+}
+
+absl::StatusOr<coordinator::VerifyEngineOptions> EngineOptionsFromFlags() {
+  coordinator::VerifyEngineOptions options;
+  options.model_name = absl::GetFlag(FLAGS_model_name);
+  options.max_draft_nodes = absl::GetFlag(FLAGS_max_draft_nodes);
+  options.max_context_length = absl::GetFlag(FLAGS_max_context);
+  options.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
+  options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s));
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.sessions.idle_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_s));
+  if (absl::Status status = options.Validate(); !status.ok()) return status;
+  return options;
+}
+
+// Runs the coordinator until a signal; errors are start-up failures.
+absl::Status Run(SignalWaiter& signals) {
+  const int world_size = absl::GetFlag(FLAGS_world_size);
+  absl::StatusOr<coordinator::VerifyEngineOptions> engine_options = EngineOptionsFromFlags();
+  if (!engine_options.ok()) return Fail(engine_options.status(), "invalid flags");
+  RendezvousServiceOptions rendezvous_options{.world_size = world_size};
+  if (absl::Status status = rendezvous_options.Validate(); !status.ok()) {
+    return Fail(status, "invalid flags");
+  }
+  const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+
+  RendezvousService rendezvous(rendezvous_options, [](const JoinedRank& joined) {
+    std::fprintf(stderr, "%s: rank %d joined (group epoch %lld), serving Worker at %s\n", kProgram,
+                 joined.rank, static_cast<long long>(joined.group_epoch), joined.address.c_str());
+  });
+  VerifierService verifier;
+  absl::StatusOr<std::unique_ptr<GrpcServer>> started =
+      GrpcServer::Start({.listen_address = absl::GetFlag(FLAGS_listen),
+                         .max_message_bytes = max_message_bytes,
+                         .max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams),
+                         .health_services = {std::string(v1::Verifier::service_full_name())}},
+                        {&rendezvous, &verifier});
+  if (!started.ok()) return started.status();
+  GrpcServer& server = **started;
+  std::printf("%s listening on %s\n", kProgram, server.address().c_str());
+  std::fflush(stdout);
+
+  // Every exit path below drains like a signal does: nothing is served after Run returns.
+  std::unique_ptr<coordinator::VerifyEngine> engine;
+  auto shut_down = [&] {
+    const absl::Duration grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+    // In-flight work ends within the grace period or, at worst, when its rank calls time out. A
+    // drain that outlives both is a bug: do not hang a pod's termination on it.
+    const absl::Duration limit = grace + engine_options->rank_timeout + absl::Seconds(15);
+    absl::Notification drained;
+    std::thread watchdog([&drained, limit] {
+      if (!drained.WaitForNotificationWithTimeout(limit)) {
+        std::fprintf(stderr, "%s: shutdown did not finish in time; exiting\n", kProgram);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    });
+    server.SetServing(false);
+    rendezvous.Shutdown();
+    if (engine != nullptr) engine->Shutdown();  // refuses new work; queued work completes
+    server.Shutdown(grace);
+    engine.reset();
+    drained.Notify();
+    watchdog.join();
+  };
+
+  // Wait for the ranks, in slices so that a signal is noticed.
+  std::fprintf(stderr, "%s: waiting up to %llds for %d rank(s) to join\n", kProgram,
+               static_cast<long long>(absl::GetFlag(FLAGS_join_timeout_s)), world_size);
+  const absl::Time join_deadline = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_join_timeout_s));
+  absl::StatusOr<RendezvousGroup> group;
+  while (true) {
+    if (signals.received()) {
+      shut_down();
+      return absl::OkStatus();
+    }
+    const absl::Duration left = join_deadline - absl::Now();
+    // The last slice waits for the rest of the join timeout, so its error names that.
+    group = rendezvous.WaitForGroup(left <= absl::Milliseconds(200)
+                                        ? std::max(left, absl::ZeroDuration())
+                                        : absl::Milliseconds(200));
+    if (group.ok()) break;
+    if (left <= absl::Milliseconds(200)) {
+      shut_down();
+      return absl::DeadlineExceededError(
+          absl::StrCat("after --join-timeout-s ", absl::GetFlag(FLAGS_join_timeout_s), ": ",
+                       group.status().message(), "; are the workers started with --coordinator ",
+                       server.address(), " and --world-size ", world_size, "?"));
+    }
+  }
+
+  std::vector<std::unique_ptr<coordinator::RankClient>> ranks;
+  for (const std::string& address : group->addresses) {
+    absl::StatusOr<std::unique_ptr<GrpcRankClient>> rank =
+        GrpcRankClient::Create(address, {.max_message_bytes = max_message_bytes});
+    if (!rank.ok()) {
+      shut_down();
+      return rank.status();
+    }
+    ranks.push_back(*std::move(rank));
+  }
+  if (engine_options->model_name.empty()) {
+    absl::StatusOr<coordinator::RankDescription> rank0 =
+        ranks[0]->Describe(engine_options->rank_timeout);
+    engine_options->model_name = rank0.ok() ? rank0->model_type : "model";
+  }
+  absl::StatusOr<std::unique_ptr<coordinator::VerifyEngine>> created =
+      coordinator::VerifyEngine::Create(*engine_options, std::move(ranks));
+  if (!created.ok()) {
+    shut_down();
+    return Fail(created.status(), "building the engine over the ranks");
+  }
+  engine = *std::move(created);
+  verifier.SetEngine(engine.get());
+  server.SetServing(true);
+  const coordinator::ModelInfo& info = engine->info();
+  std::fprintf(
+      stderr, "%s: SERVING %s (%s, vocab %lld, %d rank(s), group epoch %lld, max context %lld)\n",
+      kProgram, info.model_name.c_str(), info.model_type.c_str(),
+      static_cast<long long>(info.vocab_size), info.world_size,
+      static_cast<long long>(group->group_epoch), static_cast<long long>(info.max_context_length));
+
+  // Watch the engine: a lost rank makes the replica NOT_SERVING (the process stays up).
+  bool serving = true;
+  while (!signals.WaitFor(absl::Milliseconds(200))) {
+    if (serving && !engine->serving()) {
+      serving = false;
+      server.SetServing(false);
+      std::fprintf(stderr, "%s: a rank was lost; NOT_SERVING\n", kProgram);
+    }
+  }
+  std::fprintf(stderr, "%s: draining\n", kProgram);
+  shut_down();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace treeverify::services
+
+int main(int argc, char** argv) {
+  treeverify::services::FlagArgs args(argc, argv);
+  absl::SetProgramUsageMessage(
+      "treeverify-coordinator --world-size W [--listen 127.0.0.1:50051] [flags]\n"
+      "Serves the Verifier API once W treeverify-worker ranks joined. Flags may be written\n"
+      "with dashes or underscores.");
+  std::vector<char*> positional = absl::ParseCommandLine(args.argc(), args.argv());
+  if (positional.size() != 1) {
+    std::fprintf(stderr, "%s: unexpected argument '%s'\n", treeverify::services::kProgram,
+                 positional[1]);
+    return 2;
+  }
+  // Before any other thread exists: every thread inherits the blocked signals.
+  treeverify::services::SignalWaiter signals;
+  absl::Status status = treeverify::services::Run(signals);
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s: %s\n", treeverify::services::kProgram, status.ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "%s: stopped\n", treeverify::services::kProgram);
+  return 0;
+}

@@ -1,0 +1,348 @@
+// The coordinator's core over in-process ranks: lossless speculative decoding (greedy and
+// seeded sampling) for every drafter at TP 1, 2 and 4, batching of concurrent sessions, stop
+// conditions, error codes and KV release.
+#include "treeverify/coordinator/verify_engine.h"
+
+#include <atomic>
+#include <future>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "treeverify/tools/checkpoint_generator.h"
+#include "treeverify/tools/drafters.h"
+#include "treeverify/tools/local_model.h"
+#include "treeverify/tools/speculative_generate.h"
+
+namespace treeverify::coordinator {
+namespace {
+
+using testing::HasSubstr;
+using tools::GenerateOptions;
+using tools::GenerateResult;
+using tools::LocalModel;
+
+std::string ModelDir() {
+  static const std::string* dir = [] {
+    auto* path =
+        new std::string(testing::TempDir() + "/verify_engine_test_" + std::to_string(::getpid()));
+    auto spec = tools::PresetSpec("tiny-v3");
+    EXPECT_TRUE(spec.ok());
+    EXPECT_TRUE(tools::WriteCheckpoint(*path, *spec).ok());
+    return path;
+  }();
+  return *dir;
+}
+
+// A replica in this process: W ranks as threads and the engine over them.
+struct Replica {
+  std::unique_ptr<LocalModel> model;
+  std::unique_ptr<VerifyEngine> engine;
+};
+
+Replica MakeReplica(int world_size, VerifyEngineOptions options = {}) {
+  Replica replica;
+  tools::LocalModelOptions model_options;
+  model_options.world_size = world_size;
+  model_options.kv_page_size = 16;
+  auto model = LocalModel::Create(ModelDir(), model_options);
+  EXPECT_TRUE(model.ok()) << model.status();
+  replica.model = std::move(*model);
+  auto engine = VerifyEngine::Create(options, replica.model->RankClients());
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  replica.engine = std::move(*engine);
+  return replica;
+}
+
+std::vector<std::vector<int32_t>> Prompts(int count, int vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int p = 0; p < count; ++p) {
+    // Repetitive prompts give the ngram drafter something to find.
+    std::vector<int32_t> base(std::uniform_int_distribution<int>(2, 6)(rng));
+    for (int32_t& t : base) t = std::uniform_int_distribution<int32_t>(2, vocab - 1)(rng);
+    std::vector<int32_t> prompt;
+    const int repeats = std::uniform_int_distribution<int>(1, 4)(rng);
+    for (int r = 0; r < repeats; ++r) prompt.insert(prompt.end(), base.begin(), base.end());
+    prompts.push_back(prompt);
+  }
+  return prompts;
+}
+
+GenerateResult Generate(VerifyEngine& engine, const std::vector<int32_t>& prompt,
+                        const std::string& drafter_name, const std::vector<int32_t>& oracle,
+                        SamplingParams sampling, int max_new_tokens = 24) {
+  auto drafter = tools::MakeDrafter(drafter_name, {.vocab_size = engine.info().vocab_size,
+                                                   .seed = 5,
+                                                   .oracle = oracle,
+                                                   .oracle_acceptance = 0.8});
+  EXPECT_TRUE(drafter.ok()) << drafter.status();
+  GenerateOptions options;
+  options.sampling = sampling;
+  options.stopping.max_new_tokens = max_new_tokens;
+  options.stopping.ignore_eos = true;
+  options.tree_nodes = 12;
+  auto result = tools::SpeculativeGenerate(engine, prompt, options, **drafter);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : GenerateResult{};
+}
+
+class LosslessTest : public testing::TestWithParam<int> {};
+
+// Every drafter emits exactly the tokens of plain decoding (empty trees) at the same TP degree,
+// greedy and with seeded sampling; the oracle drafter is accepted often enough to matter.
+TEST_P(LosslessTest, EveryDrafterEqualsPlainDecoding) {
+  const int world_size = GetParam();
+  Replica replica = MakeReplica(world_size);
+  const int vocab = static_cast<int>(replica.engine->info().vocab_size);
+  const unsigned seed = 1000 + world_size;
+  SCOPED_TRACE(testing::Message() << "TP " << world_size << " seed " << seed);
+  const auto prompts = Prompts(20, vocab, seed);
+  for (const SamplingParams& sampling :
+       {SamplingParams{}, SamplingParams{.temperature = 0.8f, .seed = 42},
+        SamplingParams{.temperature = 0.8f, .seed = 42, .top_k = 20, .top_p = 0.9f}}) {
+    int64_t accepted = 0;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const GenerateResult plain = Generate(*replica.engine, prompts[p], "none", {}, sampling);
+      ASSERT_EQ(plain.tokens.size(), 24u);
+      std::vector<int32_t> oracle = prompts[p];
+      oracle.insert(oracle.end(), plain.tokens.begin(), plain.tokens.end());
+      for (const std::string& drafter : tools::DrafterNames()) {
+        const GenerateResult speculative =
+            Generate(*replica.engine, prompts[p], drafter, oracle, sampling);
+        ASSERT_EQ(speculative.tokens, plain.tokens)
+            << "prompt " << p << " drafter " << drafter << " temperature " << sampling.temperature;
+        if (drafter == "noisy-oracle") {
+          accepted += std::accumulate(speculative.accepted_per_step.begin(),
+                                      speculative.accepted_per_step.end(), 0);
+          EXPECT_LT(speculative.steps, plain.steps);
+        }
+      }
+    }
+    EXPECT_GT(accepted, 0);
+  }
+  // Everything was closed: every page is free again on every rank (releases are asynchronous).
+  for (int attempt = 0; attempt < 200 && replica.engine->active_sessions() > 0; ++attempt) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  replica.engine.reset();  // drains queued releases
+  for (int r = 0; r < world_size; ++r) {
+    EXPECT_EQ(replica.model->rank(r).kv_cache().used_pages(), 0) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, LosslessTest, testing::Values(1, 2, 4));
+
+TEST(VerifyEngineTest, SeedsMatterAndTopKRestricts) {
+  Replica replica = MakeReplica(1);
+  const std::vector<int32_t> prompt = {5, 6, 7, 8};
+  const GenerateResult a =
+      Generate(*replica.engine, prompt, "none", {}, {.temperature = 1.0f, .seed = 1}, 32);
+  const GenerateResult b =
+      Generate(*replica.engine, prompt, "none", {}, {.temperature = 1.0f, .seed = 2}, 32);
+  EXPECT_NE(a.tokens, b.tokens);
+  const GenerateResult greedy = Generate(*replica.engine, prompt, "none", {}, {}, 32);
+  const GenerateResult top1 = Generate(*replica.engine, prompt, "none", {},
+                                       {.temperature = 1.0f, .seed = 3, .top_k = 1}, 32);
+  EXPECT_EQ(top1.tokens, greedy.tokens);
+}
+
+// Sessions verifying at the same time share forwards, and each stays lossless.
+TEST(VerifyEngineTest, ConcurrentSessionsAreBatchedAndLossless) {
+  VerifyEngineOptions options;
+  options.batch_window = absl::Milliseconds(5);
+  Replica replica = MakeReplica(2, options);
+  const int vocab = static_cast<int>(replica.engine->info().vocab_size);
+  const auto prompts = Prompts(16, vocab, 77);
+  std::vector<GenerateResult> plain(prompts.size());
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    plain[p] = Generate(*replica.engine, prompts[p], "none", {}, {});
+  }
+  const int64_t forwards_before = replica.engine->stats().forwards;
+  std::vector<GenerateResult> together(prompts.size());
+  std::vector<std::thread> threads;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    threads.emplace_back(
+        [&, p] { together[p] = Generate(*replica.engine, prompts[p], "ngram", {}, {}); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    EXPECT_EQ(together[p].tokens, plain[p].tokens) << "prompt " << p;
+  }
+  const EngineStats stats = replica.engine->stats();
+  EXPECT_GT(stats.max_batch_sequences, 1);
+  EXPECT_GT(stats.batched_sequences - 0, stats.forwards - forwards_before);
+}
+
+TEST(VerifyEngineTest, StopConditionsEndTheSession) {
+  Replica replica = MakeReplica(1);
+  const std::vector<int32_t> prompt = {9, 10, 11};
+  const GenerateResult reference = Generate(*replica.engine, prompt, "none", {}, {}, 12);
+  ASSERT_EQ(reference.tokens.size(), 12u);
+  EXPECT_EQ(reference.finish_reason, FinishReason::kMaxNewTokens);
+
+  // A stop token ends generation right after it is emitted, whatever the drafter.
+  const int32_t stop = reference.tokens[5];
+  const size_t first_stop =
+      std::find(reference.tokens.begin(), reference.tokens.end(), stop) - reference.tokens.begin();
+  std::vector<int32_t> oracle = prompt;
+  oracle.insert(oracle.end(), reference.tokens.begin(), reference.tokens.end());
+  for (const std::string drafter : {"none", "noisy-oracle"}) {
+    auto d = tools::MakeDrafter(drafter, {.vocab_size = replica.engine->info().vocab_size,
+                                          .oracle = oracle,
+                                          .oracle_acceptance = 1.0});
+    ASSERT_TRUE(d.ok());
+    GenerateOptions options;
+    options.stopping.max_new_tokens = 12;
+    options.stopping.stop_token_ids = {stop};
+    options.stopping.ignore_eos = true;
+    auto result = tools::SpeculativeGenerate(*replica.engine, prompt, options, **d);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->finish_reason, FinishReason::kStopToken) << drafter;
+    EXPECT_EQ(result->tokens, std::vector<int32_t>(reference.tokens.begin(),
+                                                   reference.tokens.begin() + first_stop + 1))
+        << drafter;
+  }
+
+  // The context limit: the session finishes when no further token fits.
+  VerifyEngineOptions small;
+  small.max_context_length = 10;
+  Replica limited = MakeReplica(1, small);
+  auto d = tools::MakeDrafter("none", {});
+  GenerateOptions options;
+  options.stopping.ignore_eos = true;
+  auto result = tools::SpeculativeGenerate(*limited.engine, prompt, options, **d);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->finish_reason, FinishReason::kMaxContext);
+  EXPECT_EQ(prompt.size() + result->tokens.size(), 11u);  // 10 positions + the last pending
+}
+
+TEST(VerifyEngineTest, ErrorsNameTheProblemAndLeaveSessionsUsable) {
+  VerifyEngineOptions options;
+  options.sessions.max_sessions = 2;
+  options.max_context_length = 64;
+  Replica replica = MakeReplica(1, options);
+  VerifyEngine& engine = *replica.engine;
+  const int vocab = static_cast<int>(engine.info().vocab_size);
+
+  auto session = engine.CreateSession({.prompt_token_ids = {1, 2, 3}});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const SessionId id = session->session_id;
+
+  auto unknown = engine.Verify({.session_id = SessionId{.high = 1, .low = 2}});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+
+  auto bad_token =
+      engine.Verify({.session_id = id, .draft_token_ids = {vocab}, .draft_parents = {-1}});
+  EXPECT_EQ(bad_token.status().code(), absl::StatusCode::kInvalidArgument);
+  auto bad_parent =
+      engine.Verify({.session_id = id, .draft_token_ids = {1, 2}, .draft_parents = {-1, 1}});
+  EXPECT_EQ(bad_parent.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad_parent.status().message()), HasSubstr("parents[1]"));
+  auto too_many = engine.Verify({.session_id = id,
+                                 .draft_token_ids = std::vector<int32_t>(256, 1),
+                                 .draft_parents = std::vector<int32_t>(256, -1)});
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  auto too_long = engine.Verify({.session_id = id,
+                                 .draft_token_ids = std::vector<int32_t>(70, 1),
+                                 .draft_parents = std::vector<int32_t>(70, -1)});
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kOutOfRange);
+  auto long_prompt = engine.CreateSession({.prompt_token_ids = std::vector<int32_t>(64, 1)});
+  EXPECT_EQ(long_prompt.status().code(), absl::StatusCode::kOutOfRange);
+
+  // Still usable, and still lossless, after the refusals.
+  auto ok = engine.Verify({.session_id = id});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->emitted_token_ids.size(), 1u);
+
+  auto second = engine.CreateSession({.prompt_token_ids = {4}});
+  ASSERT_TRUE(second.ok());
+  auto third = engine.CreateSession({.prompt_token_ids = {4}});
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+
+  ASSERT_TRUE(engine.CloseSession(id).ok());
+  EXPECT_EQ(engine.Verify({.session_id = id}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine.CloseSession(id).code(), absl::StatusCode::kNotFound);
+}
+
+// A rank that waits until the test opens a gate: holds a Verify in flight.
+class GatedRank final : public RankClient {
+ public:
+  GatedRank(std::unique_ptr<RankClient> inner, std::atomic<bool>* open, std::atomic<bool>* fail)
+      : inner_(std::move(inner)), open_(open), fail_(fail) {}
+  absl::StatusOr<RankDescription> Describe(absl::Duration t) override {
+    return inner_->Describe(t);
+  }
+  absl::StatusOr<worker::ForwardResult> Forward(const worker::ForwardRequest& request,
+                                                absl::Duration t) override {
+    while (!open_->load()) absl::SleepFor(absl::Milliseconds(1));
+    if (fail_->load()) return absl::UnavailableError("rank 0 is gone (test)");
+    return inner_->Forward(request, t);
+  }
+  absl::StatusOr<int64_t> Release(absl::Span<const uint64_t> ids, absl::Duration t) override {
+    return inner_->Release(ids, t);
+  }
+
+ private:
+  std::unique_ptr<RankClient> inner_;
+  std::atomic<bool>* open_;
+  std::atomic<bool>* fail_;
+};
+
+TEST(VerifyEngineTest, OneVerifyInFlightAndRankFailureIsUnavailable) {
+  tools::LocalModelOptions model_options;
+  auto model = LocalModel::Create(ModelDir(), model_options);
+  ASSERT_TRUE(model.ok());
+  std::atomic<bool> open{true}, fail{false};
+  std::vector<std::unique_ptr<RankClient>> ranks;
+  for (auto& client : (*model)->RankClients()) {
+    ranks.push_back(std::make_unique<GatedRank>(std::move(client), &open, &fail));
+  }
+  auto engine = VerifyEngine::Create({}, std::move(ranks));
+  ASSERT_TRUE(engine.ok());
+  auto session = (*engine)->CreateSession({.prompt_token_ids = {1, 2, 3}});
+  ASSERT_TRUE(session.ok());
+
+  open = false;
+  std::promise<absl::StatusOr<VerifyOutput>> first;
+  (*engine)->VerifyAsync({.session_id = session->session_id},
+                         [&first](absl::StatusOr<VerifyOutput> out) { first.set_value(out); });
+  auto second = (*engine)->Verify({.session_id = session->session_id});
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("in flight"));
+  fail = true;
+  open = true;
+  auto failed = first.get_future().get();
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE((*engine)->serving());
+  EXPECT_EQ((*engine)->Verify({.session_id = session->session_id}).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST(VerifyEngineTest, HiddenStatesAreTheCommittedRows) {
+  Replica replica = MakeReplica(2);
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  auto session = replica.engine->CreateSession({.prompt_token_ids = prompt});
+  ASSERT_TRUE(session.ok());
+  const int layers = static_cast<int>(replica.engine->info().num_layers);
+  auto step = replica.engine->Verify(
+      {.session_id = session->session_id, .hidden_state_layers = {0, layers}});
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->hidden_states.size(), 2u);
+  EXPECT_EQ(step->hidden_states[0].rows, 1);
+  EXPECT_EQ(step->hidden_states[0].layer, 0);
+  // Layer 0 is the embedding of the committed token (the previous pending token).
+  EXPECT_EQ(static_cast<int64_t>(step->hidden_states[0].values.size()),
+            replica.engine->info().hidden_size);
+  bool nonzero = false;
+  for (float v : step->hidden_states[1].values) nonzero |= v != 0.0f;
+  EXPECT_TRUE(nonzero);
+}
+
+}  // namespace
+}  // namespace treeverify::coordinator
