@@ -50,8 +50,10 @@ wait_for_address() {
   --model-name demo >"$run_dir/coordinator.log" 2>&1 &
 pids+=($!)
 coordinator=$(wait_for_address "$run_dir/coordinator.log")
+# Two worker processes share this machine's cores: one OpenMP thread each, and no spinning.
 for rank in 0 1; do
-  "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE \
+    "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
     --model "$model_dir" --listen 127.0.0.1:0 >"$run_dir/worker$rank.log" 2>&1 &
   pids+=($!)
 done

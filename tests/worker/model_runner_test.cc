@@ -635,3 +635,83 @@ TEST(ModelRunnerLoadTest, TensorShapesMustMatchTheConfig) {
 
 }  // namespace
 }  // namespace treeverify::worker
+
+namespace treeverify::worker {
+namespace {
+
+// Requests that could corrupt another sequence's state, or this one's, are refused before
+// anything changes: a sequence named twice, a commit that is not a root path, positions beyond
+// the model's context.
+TEST(ModelRunnerSafetyTest, UnsafeRequestsAreRefusedBeforeAnythingChanges) {
+  tools::LocalModelOptions options;
+  options.kv_page_size = 16;
+  auto model = MakeModel("tiny-v3", options);
+  ASSERT_NE(model, nullptr);
+  const std::vector<int32_t> prefix = {5, 6, 7, 8, 9};
+  ASSERT_TRUE(model->Prefill(1, prefix).ok());
+  ASSERT_TRUE(model->Prefill(2, prefix).ok());
+  const SegmentInput tree{.sequence_id = 2, .token_ids = {11, 12, 13}, .parents = {-1, 0, 0}};
+  const LocalSegmentResult reference = ForwardOne(*model, tree);
+  ASSERT_TRUE(reference.status.ok());
+
+  // Sequence 1 twice: both refused; sequence 2 in the same batch is untouched and exact.
+  ForwardRequest request;
+  request.segments.push_back({.sequence_id = 1, .token_ids = {3}, .parents = {-1}});
+  request.segments.push_back(tree);
+  request.segments.push_back({.sequence_id = 1, .token_ids = {4}, .parents = {-1}});
+  auto results = model->Forward(request);
+  ASSERT_TRUE(results.ok());
+  EXPECT_EQ((*results)[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string((*results)[0].status.message()), testing::HasSubstr("more than once"));
+  EXPECT_EQ((*results)[2].status.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*results)[1].status.ok());
+  for (size_t n = 0; n < 3; ++n) {
+    ExpectBitIdentical(reference.summaries[n], (*results)[1].summaries[n], "node");
+  }
+
+  // Siblings are not a path: refused, and the segment can still be committed properly.
+  SegmentInput siblings{.sequence_id = 2,
+                        .commit_nodes = std::vector<int32_t>{1, 2},
+                        .token_ids = {20},
+                        .parents = {-1}};
+  const LocalSegmentResult refused = ForwardOne(*model, siblings);
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status.message()), testing::HasSubstr("path"));
+  SegmentInput path{.sequence_id = 2,
+                    .commit_nodes = std::vector<int32_t>{0, 2},
+                    .token_ids = {20},
+                    .parents = {-1}};
+  path.expected_committed_length = 7;
+  EXPECT_TRUE(ForwardOne(*model, path).status.ok());
+
+  // Beyond the context (max_position_embeddings of tiny-v3 is 1024): OUT_OF_RANGE, nothing
+  // committed.
+  const int64_t max_positions = model->config().max_position_embeddings;
+  std::vector<int32_t> long_chain(256, 7);
+  ASSERT_TRUE(model->Release(1).ok());
+  for (int64_t done = 0; done + 256 <= max_positions - 10; done += 256) {
+    SegmentInput chunk{
+        .sequence_id = 1, .token_ids = long_chain, .parents = SegmentTree::ChainParents(256)};
+    if (done > 0) {
+      chunk.commit_nodes = std::vector<int32_t>(256);
+      for (int i = 0; i < 256; ++i) (*chunk.commit_nodes)[i] = i;
+    }
+    ASSERT_TRUE(ForwardOne(*model, chunk).status.ok());
+  }
+  std::vector<int32_t> all(256);
+  for (int i = 0; i < 256; ++i) all[i] = i;
+  // Positions 768..1023: the last one the model has, so this still fits.
+  SegmentInput to_the_end{.sequence_id = 1,
+                          .commit_nodes = all,
+                          .token_ids = long_chain,
+                          .parents = SegmentTree::ChainParents(256)};
+  ASSERT_TRUE(ForwardOne(*model, to_the_end).status.ok());
+  ASSERT_EQ(max_positions, 1024);
+  SegmentInput past_end{.sequence_id = 1, .commit_nodes = all, .token_ids = {7}, .parents = {-1}};
+  const LocalSegmentResult out_of_range = ForwardOne(*model, past_end);
+  EXPECT_EQ(out_of_range.status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(model->rank(0).kv_cache().committed_length(1), 768);  // the commit did not happen
+}
+
+}  // namespace
+}  // namespace treeverify::worker

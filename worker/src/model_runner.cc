@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "treeverify/kernels/activation.h"
@@ -93,7 +94,33 @@ ModelRunner::ModelRunner(std::unique_ptr<ModelWeights> weights, std::unique_ptr<
 
 ModelRunner::~ModelRunner() = default;
 
-absl::Status ModelRunner::Release(uint64_t sequence_id) { return kv_cache_->Release(sequence_id); }
+absl::Status ModelRunner::Release(uint64_t sequence_id) {
+  segment_parents_.erase(sequence_id);
+  return kv_cache_->Release(sequence_id);
+}
+
+// Committed rows become positions committed, committed + 1, ...: only a path from the segment's
+// root keeps every row at the position its RoPE was computed for.
+absl::Status ModelRunner::CheckCommitIsAPath(uint64_t id, absl::Span<const int32_t> nodes) const {
+  if (!kv_cache_->Contains(id)) {
+    return absl::NotFoundError(absl::StrFormat("sequence %#x has nothing to commit", id));
+  }
+  auto it = segment_parents_.find(id);
+  const std::vector<int32_t> none;
+  const std::vector<int32_t>& parents = it == segment_parents_.end() ? none : it->second;
+  for (size_t k = 0; k < nodes.size(); ++k) {
+    const int32_t node = nodes[k];
+    const int32_t expected_parent = k == 0 ? -1 : nodes[k - 1];
+    if (node < 0 || node >= static_cast<int32_t>(parents.size()) ||
+        parents[node] != expected_parent) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sequence %#x: commit node %d (index %d) does not continue a path from the segment's "
+          "root (its parent must be %d)",
+          id, node, k, expected_parent));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutput& output,
                                          Batch& batch) {
@@ -147,15 +174,27 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
         "sequence %#x: expected committed length %d, the cache has %d (+%d to commit)", id,
         *input.expected_committed_length, kv_cache_->committed_length(id), commit_count));
   }
+  if (input.commit_nodes) TV_RETURN_IF_ERROR(CheckCommitIsAPath(id, *input.commit_nodes));
+  // Positions must stay inside the model's context: RoPE and the cache are sized by it.
+  const int64_t committed_after = kv_cache_->committed_length(id) + commit_count;
+  int64_t deepest = -1;
+  for (int64_t i = 0; i < nodes; ++i) deepest = std::max<int64_t>(deepest, tree->depth[i]);
+  if (nodes > 0 && committed_after + deepest >= weights_->config.max_position_embeddings) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "sequence %#x: nodes up to position %d, but the model's context ends at %d", id,
+        committed_after + deepest, weights_->config.max_position_embeddings - 1));
+  }
+
+  // Checks are done; from here the sequence changes. A commit that succeeds stays even if the new
+  // rows then find the cache full (SegmentOutput.committed_length shows it).
   if (input.commit_nodes) {
-    if (!kv_cache_->Contains(id)) {
-      return absl::NotFoundError(absl::StrFormat("sequence %#x has nothing to commit", id));
-    }
     TV_RETURN_IF_ERROR(kv_cache_->Commit(id, *input.commit_nodes));
+    segment_parents_.erase(id);
   }
   output.committed_length = kv_cache_->committed_length(id);
   if (nodes == 0) return absl::OkStatus();
   TV_RETURN_IF_ERROR(kv_cache_->ReserveSegment(id, nodes));
+  segment_parents_[id] = input.parents;
 
   const int32_t committed = static_cast<int32_t>(output.committed_length);
   const std::vector<int64_t> slots = kv_cache_->SegmentSlots(id);
@@ -180,10 +219,20 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   Batch batch;
   batch.capture_layer.assign(c.num_hidden_layers + 1, false);
   batch.layer_hidden.resize(c.num_hidden_layers + 1);
+  // A sequence named twice would have its second segment replace the first's rows mid-batch:
+  // refuse every occurrence before anything changes.
+  absl::flat_hash_set<uint64_t> seen, duplicated;
+  for (const SegmentInput& segment : request.segments) {
+    if (!seen.insert(segment.sequence_id).second) duplicated.insert(segment.sequence_id);
+  }
   for (size_t i = 0; i < request.segments.size(); ++i) {
     const int64_t rows_before = batch.rows();
     SegmentOutput& output = result.segments[i];
-    output.status = PrepareSegment(request.segments[i], output, batch);
+    output.status = duplicated.contains(request.segments[i].sequence_id)
+                        ? absl::InvalidArgumentError(
+                              absl::StrFormat("sequence %#x appears more than once in one forward",
+                                              request.segments[i].sequence_id))
+                        : PrepareSegment(request.segments[i], output, batch);
     if (output.status.ok() && batch.rows() > rows_before) batch.segment_of_sequence.push_back(i);
   }
   // Every rank sees the same request and cache state, so every rank reaches this point with the

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/lm_head_summary.h"
 #include "treeverify/worker/communicator.h"
@@ -113,6 +114,7 @@ class ModelRunner {
   struct Batch;
   ModelRunner(std::unique_ptr<ModelWeights> weights, std::unique_ptr<KvCache> kv_cache,
               Communicator* communicator);
+  absl::Status CheckCommitIsAPath(uint64_t id, absl::Span<const int32_t> nodes) const;
   absl::Status PrepareSegment(const SegmentInput& input, SegmentOutput& output, Batch& batch);
   absl::Status RunLayers(Batch& batch, std::vector<float>& hidden);
   absl::Status Summarize(const ForwardRequest& request, const Batch& batch,
@@ -124,6 +126,8 @@ class ModelRunner {
 
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<KvCache> kv_cache_;
+  // Parents of each sequence's uncommitted segment: a commit must follow one of its paths.
+  absl::flat_hash_map<uint64_t, std::vector<int32_t>> segment_parents_;
   Communicator* communicator_;
   std::vector<float> rope_inv_freq_;
   float rope_attention_factor_ = 1.0f;
