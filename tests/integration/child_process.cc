@@ -180,8 +180,8 @@ absl::StatusOr<int> ChildProcess::WaitForExit(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (!TryReap()) {
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(name(), " (pid ", pid_, ") still running after ", timeout));
+      return absl::DeadlineExceededError(absl::StrCat(
+          name(), " (pid ", pid_, ") still running after ", absl::FormatDuration(timeout)));
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
