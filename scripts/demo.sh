@@ -18,8 +18,10 @@ pids=()
 cleanup() {
   local status=$?
   trap - EXIT INT TERM
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  # Each child leads its own session (setsid): Ctrl-C reaches only this script, which then asks
+  # every child once to drain and exit.
+  for pid in ${pids[@]+"${pids[@]}"}; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in ${pids[@]+"${pids[@]}"}; do wait "$pid" 2>/dev/null || true; done
   if [ $status -ne 0 ]; then
     echo "demo failed; process logs:" >&2
     tail -n 20 "$run_dir"/*.log >&2 || true
@@ -46,25 +48,28 @@ wait_for_address() {
   return 1
 }
 
-"$build_dir/services/treeverify-coordinator" --listen 127.0.0.1:0 --world-size 2 \
+setsid "$build_dir/services/treeverify-coordinator" --listen 127.0.0.1:0 --world-size 2 \
   --model-name demo >"$run_dir/coordinator.log" 2>&1 &
 pids+=($!)
 coordinator=$(wait_for_address "$run_dir/coordinator.log")
 # Two worker processes share this machine's cores: one OpenMP thread each, and no spinning.
 for rank in 0 1; do
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE \
-    "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
+    setsid "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
     --model "$model_dir" --listen 127.0.0.1:0 >"$run_dir/worker$rank.log" 2>&1 &
   pids+=($!)
 done
-"$cli" info --server "$coordinator" --wait-s 120
+# Foreground work runs as `cmd & wait`, so a signal to this script is handled at once.
+"$cli" info --server "$coordinator" --wait-s 120 &
+wait $!
 
 prompt=1,2,3,4,5,1,2,3,4,5,1,2,3
 for drafter in none ngram noisy-oracle; do
   echo
   echo "== generate, drafter: $drafter"
   "$cli" generate --server "$coordinator" --prompt-ids "$prompt" --max-new-tokens 48 \
-    --drafter "$drafter" --tree-nodes 8 --oracle-acceptance 0.8
+    --drafter "$drafter" --tree-nodes 8 --oracle-acceptance 0.8 &
+  wait $!
 done
 echo
 echo "coordinator: $coordinator (gRPC Verifier API, health, reflection)."

@@ -22,8 +22,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
     sudo_cmd="sudo"
   fi
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends \
+  # The variable goes after sudo: sudo resets the environment.
+  $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $sudo_cmd env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     "${missing[@]}" >/dev/null
 fi
 echo "install-deps: all build dependencies present"

@@ -1,5 +1,6 @@
 #include "treeverify/tools/speculative_generate.h"
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 
@@ -17,6 +18,7 @@ absl::StatusOr<GenerateResult> SpeculativeGenerate(coordinator::VerifierApi& api
                                                    const std::vector<int32_t>& prompt,
                                                    const GenerateOptions& options,
                                                    Drafter& drafter) {
+  TV_ASSIGN_OR_RETURN(coordinator::ModelInfo info, api.GetModelInfo());
   const auto start = std::chrono::steady_clock::now();
   GenerateResult result;
   TV_ASSIGN_OR_RETURN(coordinator::CreateSessionOutput session,
@@ -30,7 +32,11 @@ absl::StatusOr<GenerateResult> SpeculativeGenerate(coordinator::VerifierApi& api
   std::vector<int32_t> context = prompt;
   context.push_back(session.pending_token_id);
   while (result.finish_reason == coordinator::FinishReason::kNone) {
-    DraftTree tree = drafter.Propose(context, options.tree_nodes);
+    // Near the end of the context a tree must shrink: the pending token and every draft node
+    // need a row (a larger tree would be OUT_OF_RANGE).
+    const int64_t room = info.max_context_length - static_cast<int64_t>(context.size());
+    const int max_nodes = static_cast<int>(std::clamp<int64_t>(room, 0, options.tree_nodes));
+    DraftTree tree = drafter.Propose(context, max_nodes);
     absl::StatusOr<coordinator::VerifyOutput> step =
         api.Verify({.session_id = session.session_id,
                     .draft_token_ids = std::move(tree.token_ids),

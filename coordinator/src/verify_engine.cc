@@ -150,6 +150,11 @@ class VerifyEngine::Impl {
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
     return absl::OkStatus();
   }
+  // Bytes of bf16 hidden states rank 0 returns for a segment.
+  int64_t HiddenStateBytes(const worker::SegmentInput& segment) const {
+    return static_cast<int64_t>(segment.token_ids.size() * segment.hidden_state_layers.size()) *
+           info_.hidden_size * 2;
+  }
   // Why queued work cannot run: a rank failed (shutdown still drains the queue).
   absl::Status Failure() const {
     absl::MutexLock lock(&mu_);
@@ -247,8 +252,8 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
                         .candidates = CandidatesPerShard(session.sampling)};
   }
   Enqueue(std::move(segment),
-          [this, lease, prompt = std::move(prompt), begin, end, last, return_logprobs,
-           done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
+          [this, lease = std::move(lease), prompt = std::move(prompt), begin, end, last,
+           return_logprobs, done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
             Session& session = **lease;
             absl::Status status = result.status();
             if (status.ok()) status = result->per_rank[0].status;
@@ -318,11 +323,22 @@ void VerifyEngine::Impl::VerifyAsync(VerifyInput input, VerifyCallback done) {
       !status.ok()) {
     return refuse(status);
   }
+  absl::flat_hash_set<int32_t> layers;
   for (int32_t layer : input.hidden_state_layers) {
-    if (layer < 0 || layer > info_.num_layers) {
-      return refuse(absl::InvalidArgumentError(absl::StrCat(
-          "hidden_state_layers: layer ", layer, " is not in [0, ", info_.num_layers, "]")));
+    if (layer < 0 || layer > info_.num_layers || !layers.insert(layer).second) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat("hidden_state_layers: layer ", layer,
+                                                            " is not in [0, ", info_.num_layers,
+                                                            "] or is listed twice")));
     }
+  }
+  const int64_t hidden_bytes =
+      static_cast<int64_t>((input.draft_token_ids.size() + 1) * input.hidden_state_layers.size()) *
+      info_.hidden_size * 2;
+  if (hidden_bytes > options_.max_hidden_state_bytes) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        "hidden states of ", input.draft_token_ids.size() + 1, " rows x ",
+        input.hidden_state_layers.size(), " layers would be ", hidden_bytes, " bytes; at most ",
+        options_.max_hidden_state_bytes, " per step: ask for fewer layers or a smaller tree")));
   }
   worker::SegmentInput segment;
   segment.sequence_id = session.sequence_id;
@@ -339,14 +355,15 @@ void VerifyEngine::Impl::VerifyAsync(VerifyInput input, VerifyCallback done) {
   std::vector<int32_t> depth(segment.parents.size(), 0);
   for (size_t s = 1; s < depth.size(); ++s) depth[s] = depth[segment.parents[s]] + 1;
   const absl::Time validated = absl::Now();
-  Enqueue(std::move(segment),
-          [this, lease, input = std::move(input), depth = std::move(depth), started, validated,
-           done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
-            absl::StatusOr<VerifyOutput> out =
-                FinishVerify(**lease, input, depth, started, validated, std::move(result));
-            lease.reset();  // before replying: the client may send its next step at once
-            done(std::move(out));
-          });
+  Enqueue(
+      std::move(segment),
+      [this, lease = std::move(lease), input = std::move(input), depth = std::move(depth), started,
+       validated, done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
+        absl::StatusOr<VerifyOutput> out =
+            FinishVerify(**lease, input, depth, started, validated, std::move(result));
+        lease.reset();  // before replying: the client may send its next step at once
+        done(std::move(out));
+      });
 }
 
 absl::StatusOr<VerifyOutput> VerifyEngine::Impl::FinishVerify(
@@ -381,7 +398,12 @@ absl::StatusOr<VerifyOutput> VerifyEngine::Impl::FinishVerify(
                     info_.eos_token_ids, context_after, info_.max_context_length);
 
   VerifyOutput out;
-  out.accepted_node_indices = acceptance.accepted_draft_nodes;
+  // When the step stops inside the accepted drafts, report only the nodes whose tokens were
+  // emitted.
+  out.accepted_node_indices.assign(
+      acceptance.accepted_draft_nodes.begin(),
+      acceptance.accepted_draft_nodes.begin() +
+          std::min(acceptance.accepted_draft_nodes.size(), stop.emit_count));
   out.emitted_token_ids.assign(acceptance.emitted_tokens.begin(),
                                acceptance.emitted_tokens.begin() + stop.emit_count);
   if (input.return_logprobs) {
@@ -453,15 +475,20 @@ void VerifyEngine::Impl::DispatchLoop() {
         };
         mu_.AwaitWithDeadline(absl::Condition(&full), close_at);
         int64_t rows = 0;
+        int64_t hidden_bytes = 0;
         absl::flat_hash_set<uint64_t> sequences;
         while (!queue_.empty()) {
           const QueuedSegment& next = queue_.front();
           const int64_t next_rows = static_cast<int64_t>(next.segment.token_ids.size());
+          const int64_t next_hidden = HiddenStateBytes(next.segment);
+          // Rank 0's answer carries every requested hidden state: keep it under the budget.
           if (!batch.empty() && (rows + next_rows > options_.max_batch_rows ||
+                                 hidden_bytes + next_hidden > options_.max_hidden_state_bytes ||
                                  sequences.contains(next.segment.sequence_id))) {
             break;
           }
           rows += next_rows;
+          hidden_bytes += next_hidden;
           sequences.insert(next.segment.sequence_id);
           batch.push_back(std::move(queue_.front()));
           queue_.pop_front();
@@ -508,6 +535,23 @@ void VerifyEngine::Impl::RunBatch(std::vector<QueuedSegment> batch) {
           absl::StrCat("rank ", r, " failed during a forward: ", results[r].status().ToString())));
       for (QueuedSegment& item : batch) item.done(Failure());
       return;
+    }
+  }
+  // Every rank ran the same request on the same state, so every rank must have reached the same
+  // outcome for every segment; anything else means the replica is out of step.
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const worker::SegmentOutput& first = results[0]->segments[i];
+    for (size_t r = 1; r < results.size(); ++r) {
+      const worker::SegmentOutput& other = results[r]->segments[i];
+      if (other.status.code() != first.status.code() ||
+          other.summaries.size() != first.summaries.size() ||
+          other.committed_length != first.committed_length) {
+        Fail(absl::UnavailableError(
+            absl::StrCat("ranks 0 and ", r, " disagree on a sequence's outcome (",
+                         first.status.ToString(), " vs ", other.status.ToString(), ")")));
+        for (QueuedSegment& item : batch) item.done(Failure());
+        return;
+      }
     }
   }
   {
@@ -563,11 +607,25 @@ absl::StatusOr<std::unique_ptr<VerifyEngine>> VerifyEngine::Create(
                                                         " of ", d.world_size, "; expected rank ", r,
                                                         " of ", ranks.size()));
     }
+    // The ranks must make identical decisions (the same cache geometry) on one model, and their
+    // vocabulary shards must tile [0, vocab) in rank order.
+    const int64_t expected_vocab_begin = described.empty() ? 0 : described.back().vocab_end;
     if (!described.empty() &&
         (d.model_type != described[0].model_type || d.vocab_size != described[0].vocab_size ||
-         d.num_layers != described[0].num_layers || d.hidden_size != described[0].hidden_size)) {
+         d.num_layers != described[0].num_layers || d.hidden_size != described[0].hidden_size ||
+         d.max_position_embeddings != described[0].max_position_embeddings ||
+         d.eos_token_ids != described[0].eos_token_ids ||
+         d.kv_pages_total != described[0].kv_pages_total ||
+         d.kv_page_size != described[0].kv_page_size ||
+         d.group_epoch != described[0].group_epoch)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r, " differs from rank 0 in its model, KV cache geometry or group epoch"));
+    }
+    if (d.vocab_begin != expected_vocab_begin ||
+        (r + 1 == ranks.size() && d.vocab_end != d.vocab_size)) {
       return absl::FailedPreconditionError(
-          absl::StrCat("rank ", r, " serves a different model than rank 0"));
+          absl::StrCat("rank ", r, " holds vocabulary [", d.vocab_begin, ", ", d.vocab_end,
+                       "); the shards must tile [0, ", d.vocab_size, ") in rank order"));
     }
     described.push_back(std::move(d));
   }

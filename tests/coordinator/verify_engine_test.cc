@@ -209,23 +209,66 @@ TEST(VerifyEngineTest, StopConditionsEndTheSession) {
         << drafter;
   }
 
-  // The context limit: the session finishes when no further token fits.
+  // The context limit: the session finishes when no further token fits, with or without drafts
+  // (the drafting loop shrinks its trees near the end).
   VerifyEngineOptions small;
   small.max_context_length = 10;
   Replica limited = MakeReplica(1, small);
-  auto d = tools::MakeDrafter("none", {});
-  GenerateOptions options;
-  options.stopping.ignore_eos = true;
-  auto result = tools::SpeculativeGenerate(*limited.engine, prompt, options, **d);
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->finish_reason, FinishReason::kMaxContext);
-  EXPECT_EQ(prompt.size() + result->tokens.size(), 11u);  // 10 positions + the last pending
+  for (const std::string drafter_name : {"none", "random"}) {
+    auto d = tools::MakeDrafter(drafter_name, {.vocab_size = limited.engine->info().vocab_size});
+    ASSERT_TRUE(d.ok());
+    GenerateOptions options;
+    options.stopping.ignore_eos = true;
+    options.tree_nodes = 6;
+    auto result = tools::SpeculativeGenerate(*limited.engine, prompt, options, **d);
+    ASSERT_TRUE(result.ok()) << drafter_name << ": " << result.status();
+    EXPECT_EQ(result->finish_reason, FinishReason::kMaxContext) << drafter_name;
+    EXPECT_EQ(prompt.size() + result->tokens.size(), 11u);  // 10 positions + the last pending
+  }
+}
+
+// A step that finds the KV cache full fails alone (RESOURCE_EXHAUSTED); once space is freed the
+// session goes on, still lossless.
+TEST(VerifyEngineTest, FullCacheFailsTheStepAndTheSessionRecovers) {
+  const std::vector<int32_t> prompt = {21, 22, 23, 24, 25, 26, 27, 28, 29, 30};
+  Replica reference = MakeReplica(1);
+  const GenerateResult expected = Generate(*reference.engine, prompt, "none", {}, {}, 6);
+
+  tools::LocalModelOptions model_options;
+  model_options.kv_page_size = 16;
+  model_options.kv_pages = 4;  // 64 rows in all
+  auto model = LocalModel::Create(ModelDir(), model_options);
+  ASSERT_TRUE(model.ok());
+  auto engine = VerifyEngine::Create({}, (*model)->RankClients());
+  ASSERT_TRUE(engine.ok());
+  auto hog = (*engine)->CreateSession({.prompt_token_ids = std::vector<int32_t>(40, 3)});
+  ASSERT_TRUE(hog.ok()) << hog.status();  // 3 pages
+  CreateSessionInput create{.prompt_token_ids = prompt};
+  create.stopping.ignore_eos = true;
+  auto session = (*engine)->CreateSession(create);
+  ASSERT_TRUE(session.ok()) << session.status();  // the 4th page
+  std::vector<int32_t> tokens = {session->pending_token_id};
+
+  // 10 committed + the pending token + 8 drafts need a 2nd page: none is free.
+  auto full = (*engine)->Verify({.session_id = session->session_id,
+                                 .draft_token_ids = std::vector<int32_t>(8, 5),
+                                 .draft_parents = {-1, 0, 1, 2, 3, 4, 5, 6}});
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+
+  ASSERT_TRUE((*engine)->CloseSession(hog->session_id).ok());
+  while (tokens.size() < expected.tokens.size()) {
+    auto step = (*engine)->Verify({.session_id = session->session_id});
+    ASSERT_TRUE(step.ok()) << step.status();
+    tokens.insert(tokens.end(), step->emitted_token_ids.begin(), step->emitted_token_ids.end());
+  }
+  EXPECT_EQ(tokens, expected.tokens);
 }
 
 TEST(VerifyEngineTest, ErrorsNameTheProblemAndLeaveSessionsUsable) {
   VerifyEngineOptions options;
   options.sessions.max_sessions = 2;
   options.max_context_length = 64;
+  options.max_hidden_state_bytes = 1000;
   Replica replica = MakeReplica(1, options);
   VerifyEngine& engine = *replica.engine;
   const int vocab = static_cast<int>(engine.info().vocab_size);
@@ -254,6 +297,17 @@ TEST(VerifyEngineTest, ErrorsNameTheProblemAndLeaveSessionsUsable) {
   EXPECT_EQ(too_long.status().code(), absl::StatusCode::kOutOfRange);
   auto long_prompt = engine.CreateSession({.prompt_token_ids = std::vector<int32_t>(64, 1)});
   EXPECT_EQ(long_prompt.status().code(), absl::StatusCode::kOutOfRange);
+
+  // Hidden states: 9 rows x 2 layers x 64 x 2 bytes is over the 1000-byte budget; a layer twice is
+  // malformed.
+  auto too_big = engine.Verify({.session_id = id,
+                                .draft_token_ids = std::vector<int32_t>(8, 1),
+                                .draft_parents = std::vector<int32_t>(8, -1),
+                                .hidden_state_layers = {0, 1}});
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(too_big.status().message()), HasSubstr("hidden states"));
+  auto twice = engine.Verify({.session_id = id, .hidden_state_layers = {1, 1}});
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
 
   // Still usable, and still lossless, after the refusals.
   auto ok = engine.Verify({.session_id = id});

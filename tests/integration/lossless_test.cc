@@ -101,10 +101,9 @@ class GreedyLosslessTest : public ReplicaTest {
 
 TEST_F(GreedyLosslessTest, EveryDrafterEqualsPlainDecodingAtTp1) { ExpectLosslessAt(1, 20); }
 TEST_F(GreedyLosslessTest, EveryDrafterEqualsPlainDecodingAtTp2) { ExpectLosslessAt(2, 20); }
-// 8 prompts at TP 4: five processes share the two cores of the CI machines, and a step costs
-// about 3x a TP 2 step there (each of the layers' all-reduces crosses four processes); 20 prompts
-// took 45 s alone.
-TEST_F(GreedyLosslessTest, EveryDrafterEqualsPlainDecodingAtTp4) { ExpectLosslessAt(4, 8); }
+// TP 4 is the slowest (five processes share the two cores of the CI machines, and every
+// all-reduce crosses four processes): about 45 s for the 20 prompts the issue asks for.
+TEST_F(GreedyLosslessTest, EveryDrafterEqualsPlainDecodingAtTp4) { ExpectLosslessAt(4, 20); }
 
 // Teacher forcing with the margin rule: `reference` (TP 1's plain continuation of `prompt`)
 // against plain decoding on `replica`. Where the replica's token differs, TP 1's own top-1/top-2
@@ -176,7 +175,7 @@ TEST_F(ReplicaTest, GreedyAgreesAcrossTensorParallelDegreesByTeacherForcing) {
     }
     tp1->Stop();  // one replica at a time: they share the cores
   }
-  for (const auto& [world_size, count] : {std::pair{2, 20}, std::pair{4, 8}}) {
+  for (const auto& [world_size, count] : {std::pair{2, 20}, std::pair{4, 20}}) {
     Replica* replica = StartReplica({.world_size = world_size});
     ASSERT_NE(replica, nullptr);
     float max_difference = 0;

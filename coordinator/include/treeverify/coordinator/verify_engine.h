@@ -33,7 +33,10 @@ struct VerifyEngineOptions {
   int64_t max_context_length = 0;  // 0: the model's max_position_embeddings
   absl::Duration batch_window = absl::Microseconds(300);
   int64_t max_batch_rows = 4096;  // rows of one Forward (a prefill chunk or a tree counts whole)
-  int32_t prefill_chunk = 256;    // rows per prefill forward, at most kMaxSegmentRows
+  // bf16 hidden states one step may ask for, and one Forward's answer from rank 0 may carry
+  // (kept below the gRPC message limit, 64 MiB by default).
+  int64_t max_hidden_state_bytes = int64_t{32} << 20;
+  int32_t prefill_chunk = 256;  // rows per prefill forward, at most kMaxSegmentRows
   absl::Duration rank_timeout = absl::Seconds(60);
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are expired
   SessionManagerOptions sessions;
