@@ -15,62 +15,16 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "collective_test_util.h"
 #include "gtest/gtest.h"
 
 namespace treeverify::worker {
 namespace {
 
-uint32_t TestSeed() {
-  if (const char* seed = std::getenv("TREEVERIFY_TEST_SEED")) {
-    return static_cast<uint32_t>(std::strtoul(seed, nullptr, 10));
-  }
-  return std::random_device()();
-}
-
-// Runs body(rank) on one thread per rank. A collective that deadlocks would hang the test
-// binary, so after a generous deadline it aborts with a message instead.
-void RunRanks(int world_size, const std::function<void(int)>& body) {
-  std::mutex mutex;
-  std::condition_variable all_done;
-  int finished = 0;
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      body(rank);
-      std::lock_guard<std::mutex> lock(mutex);
-      ++finished;
-      all_done.notify_all();
-    });
-  }
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    if (!all_done.wait_for(lock, std::chrono::seconds(60),
-                           [&] { return finished == world_size; })) {
-      std::cerr << "collective deadlocked: " << finished << " of " << world_size
-                << " ranks finished within 60 s\n";
-      std::abort();
-    }
-  }
-  for (std::thread& thread : threads) thread.join();
-}
-
-// Floats over many binades, so the order of additions changes the rounding.
-std::vector<float> RandomData(std::mt19937_64& rng, size_t length) {
-  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-12, 12);
-  std::vector<float> data(length);
-  for (float& x : data) x = std::ldexp(mantissa(rng), exponent(rng));
-  return data;
-}
-
-// The sum in rank order, written independently of the implementation.
-std::vector<float> RankOrderSum(const std::vector<std::vector<float>>& inputs) {
-  std::vector<float> sum = inputs[0];
-  for (size_t rank = 1; rank < inputs.size(); ++rank) {
-    for (size_t i = 0; i < sum.size(); ++i) sum[i] = sum[i] + inputs[rank][i];
-  }
-  return sum;
-}
+using testing_util::RandomData;
+using testing_util::RankOrderSum;
+using testing_util::RunRanks;
+using testing_util::TestSeed;
 
 TEST(SoloCommunicatorTest, IsTheIdentity) {
   SoloCommunicator solo;
