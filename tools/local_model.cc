@@ -35,13 +35,6 @@ absl::Status ForEachRank(int world_size, Fn fn) {
   return absl::OkStatus();
 }
 
-// Node indices 0..n-1: keeps a whole chain.
-std::vector<int32_t> AllNodes(size_t n) {
-  std::vector<int32_t> nodes(n);
-  for (size_t i = 0; i < n; ++i) nodes[i] = static_cast<int32_t>(i);
-  return nodes;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string& model_dir,
@@ -135,7 +128,7 @@ absl::StatusOr<kernels::NodeSummary> LocalModel::Prefill(uint64_t sequence_id,
     worker::ForwardRequest request;
     worker::SegmentInput segment;
     segment.sequence_id = sequence_id;
-    if (uncommitted > 0) segment.commit_nodes = AllNodes(uncommitted);
+    if (uncommitted > 0) segment.commit_nodes = worker::SegmentTree::AllNodes(uncommitted);
     segment.token_ids.assign(prompt.begin() + begin, prompt.begin() + end);
     segment.parents = worker::SegmentTree::ChainParents(static_cast<int32_t>(end - begin));
     if (end == begin) segment.expected_committed_length = static_cast<int64_t>(prompt.size());

@@ -37,12 +37,6 @@ struct QueuedSegment {
   SegmentCallback done;
 };
 
-std::vector<int32_t> AllNodes(size_t n) {
-  std::vector<int32_t> nodes(n);
-  for (size_t i = 0; i < n; ++i) nodes[i] = static_cast<int32_t>(i);
-  return nodes;
-}
-
 // The shards' view of node `node` of a segment, for the token selector.
 std::vector<ShardNode> ShardsOf(const SegmentResult& result, size_t node, int32_t candidates) {
   std::vector<ShardNode> shards;
@@ -242,7 +236,7 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
   const bool last = end == prompt.size();
   worker::SegmentInput segment;
   segment.sequence_id = session.sequence_id;
-  if (begin > 0) segment.commit_nodes = AllNodes(options_.prefill_chunk);
+  if (begin > 0) segment.commit_nodes = worker::SegmentTree::AllNodes(options_.prefill_chunk);
   segment.expected_committed_length = static_cast<int64_t>(begin);
   segment.token_ids.assign(prompt.begin() + begin, prompt.begin() + end);
   segment.parents = worker::SegmentTree::ChainParents(static_cast<int32_t>(end - begin));
@@ -283,7 +277,7 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
             }
             session.committed_tokens = prompt;
             session.pending_token = first->token;
-            session.pending_commit = AllNodes(end - begin);
+            session.pending_commit = worker::SegmentTree::AllNodes(end - begin);
             const std::vector<int32_t> emitted = {first->token};
             const StopDecision stop =
                 ApplyStopping(emitted, 0, session.stopping, info_.eos_token_ids,

@@ -10,7 +10,6 @@
 // `generate --model` runs the model in-process (W tensor-parallel ranks as threads, CPU backend)
 // and prints the greedy continuation with each emitted token's log-probability. With --server it
 // drives a running coordinator instead: one Verify per step with the drafter's tree.
-#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -24,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "treeverify/kernels/status.h"
+#include "treeverify/services/flag_names.h"
 #include "treeverify/services/verifier_client.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/drafters.h"
@@ -180,28 +180,12 @@ absl::Status MakeCheckpoint() {
   return absl::OkStatus();
 }
 
-// Abseil flag names are identifiers; the CLI documents them with dashes (--prompt-ids), so the
-// name part of every "--flag[=value]" argument has its dashes turned into underscores.
-std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
-  std::vector<std::string> args(argv, argv + argc);
-  for (size_t i = 1; i < args.size(); ++i) {
-    std::string& arg = args[i];
-    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
-    const size_t name_end = std::min(arg.find('='), arg.size());
-    for (size_t c = 2; c < name_end; ++c) {
-      if (arg[c] == '-') arg[c] = '_';
-    }
-  }
-  return args;
-}
-
 }  // namespace
 }  // namespace treeverify::tools
 
 int main(int argc, char** argv) {
-  std::vector<std::string> normalized = treeverify::tools::NormalizeFlagNames(argc, argv);
-  std::vector<char*> normalized_argv;
-  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  // Flags are documented with dashes (--prompt-ids); Abseil's names have underscores.
+  treeverify::services::FlagArgs args(argc, argv);
   absl::SetProgramUsageMessage(
       "treeverify-cli COMMAND [flags]\n"
       "  make-checkpoint --out DIR [--preset demo] [--seed 0] [--shards 1]\n"
@@ -210,13 +194,12 @@ int main(int argc, char** argv) {
       "      [--tree-nodes 8] [--oracle-acceptance 0.8] [--temperature T] [--seed S]\n"
       "      [--top-k K] [--top-p P] [--json]\n"
       "  info --server ADDR [--wait-s SECONDS]");
-  std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(normalized_argv.size()), normalized_argv.data());
-  if (args.size() != 2) {
+  std::vector<char*> positional = absl::ParseCommandLine(args.argc(), args.argv());
+  if (positional.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
-  const std::string command = args[1];
+  const std::string command = positional[1];
   absl::Status status;
   if (command == "generate") {
     status = treeverify::tools::Generate();

@@ -35,6 +35,12 @@ absl::StatusOr<SegmentTree> SegmentTree::Build(absl::Span<const int32_t> parents
   return tree;
 }
 
+std::vector<int32_t> SegmentTree::AllNodes(int64_t n) {
+  std::vector<int32_t> nodes(n);
+  for (int64_t i = 0; i < n; ++i) nodes[i] = static_cast<int32_t>(i);
+  return nodes;
+}
+
 std::vector<int32_t> SegmentTree::ChainParents(int32_t n) {
   std::vector<int32_t> parents(n);
   for (int32_t i = 0; i < n; ++i) parents[i] = i - 1;

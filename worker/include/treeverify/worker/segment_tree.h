@@ -24,6 +24,8 @@ struct SegmentTree {
   static absl::StatusOr<SegmentTree> Build(absl::Span<const int32_t> parents);
   // A chain of n nodes: parents -1, 0, 1, ..., n-2.
   static std::vector<int32_t> ChainParents(int32_t n);
+  // Nodes 0, 1, ..., n-1: committing them keeps a whole chain.
+  static std::vector<int32_t> AllNodes(int64_t n);
 };
 
 }  // namespace treeverify::worker
