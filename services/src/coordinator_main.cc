@@ -11,16 +11,14 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "treeverify/coordinator/verify_engine.h"
-#include "treeverify/services/flag_names.h"
 #include "treeverify/services/grpc_rank_client.h"
+#include "treeverify/services/process_main.h"
 #include "treeverify/services/rendezvous_service.h"
 #include "treeverify/services/server_bootstrap.h"
 #include "treeverify/services/signal_waiter.h"
@@ -195,24 +193,10 @@ absl::Status Run(SignalWaiter& signals) {
 }  // namespace treeverify::services
 
 int main(int argc, char** argv) {
-  treeverify::services::FlagArgs args(argc, argv);
-  absl::SetProgramUsageMessage(
+  return treeverify::services::ProcessMain(
+      argc, argv, treeverify::services::kProgram,
       "treeverify-coordinator --world-size W [--listen 127.0.0.1:50051] [flags]\n"
       "Serves the Verifier API once W treeverify-worker ranks joined. Flags may be written\n"
-      "with dashes or underscores.");
-  std::vector<char*> positional = absl::ParseCommandLine(args.argc(), args.argv());
-  if (positional.size() != 1) {
-    std::fprintf(stderr, "%s: unexpected argument '%s'\n", treeverify::services::kProgram,
-                 positional[1]);
-    return 2;
-  }
-  // Before any other thread exists: every thread inherits the blocked signals.
-  treeverify::services::SignalWaiter signals;
-  absl::Status status = treeverify::services::Run(signals);
-  if (!status.ok()) {
-    std::fprintf(stderr, "%s: %s\n", treeverify::services::kProgram, status.ToString().c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "%s: stopped\n", treeverify::services::kProgram);
-  return 0;
+      "with dashes or underscores.",
+      treeverify::services::Run);
 }

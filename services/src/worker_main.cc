@@ -11,15 +11,13 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "treeverify/services/client_channel.h"
-#include "treeverify/services/flag_names.h"
 #include "treeverify/services/grpc_rendezvous_store.h"
+#include "treeverify/services/process_main.h"
 #include "treeverify/services/server_bootstrap.h"
 #include "treeverify/services/signal_waiter.h"
 #include "treeverify/services/worker_service.h"
@@ -173,25 +171,11 @@ absl::Status Run(SignalWaiter& signals) {
 }  // namespace treeverify::services
 
 int main(int argc, char** argv) {
-  treeverify::services::FlagArgs args(argc, argv);
-  absl::SetProgramUsageMessage(
+  return treeverify::services::ProcessMain(
+      argc, argv, treeverify::services::kProgram,
       "treeverify-worker --rank R --world-size W --coordinator HOST:PORT --model DIR\n"
       "    [--listen ADDR] [--backend cpu|cuda] [--kv-pages N] [--kv-page-size 64]\n"
       "    [--expert-sharding split|whole] [--collective-timeout-s 60] [--group-epoch 1]\n"
-      "One tensor-parallel rank. Flags may be written with dashes or underscores.");
-  std::vector<char*> positional = absl::ParseCommandLine(args.argc(), args.argv());
-  if (positional.size() != 1) {
-    std::fprintf(stderr, "%s: unexpected argument '%s'\n", treeverify::services::kProgram,
-                 positional[1]);
-    return 2;
-  }
-  // Before any other thread exists: every thread inherits the blocked signals.
-  treeverify::services::SignalWaiter signals;
-  absl::Status status = treeverify::services::Run(signals);
-  if (!status.ok()) {
-    std::fprintf(stderr, "%s: %s\n", treeverify::services::kProgram, status.ToString().c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "%s: stopped\n", treeverify::services::kProgram);
-  return 0;
+      "One tensor-parallel rank. Flags may be written with dashes or underscores.",
+      treeverify::services::Run);
 }
