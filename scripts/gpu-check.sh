@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # GPU checks, in two halves, because the GPU machine has CUDA but none of our Debian libraries:
 #
-#   scripts/gpu-check.sh bundle        here: builds the GPU tests (sm_90a) and copies them with
-#                                      their libraries into .gpu-bundle/ (git-ignored)
-#   scripts/gpu-check.sh run [OUTDIR]  on the GPU machine, from the repository root: runs every
-#                                      bundled test; a skipped test counts as a failure there
+#   scripts/gpu-check.sh bundle          here: builds the GPU tests and benchmarks (sm_90a) and
+#                                        copies them with their libraries into .gpu-bundle/
+#                                        (git-ignored)
+#   scripts/gpu-check.sh run [OUTDIR]    on the GPU machine, from the repository root: runs every
+#                                        bundled test (a skipped test counts as a failure there)
+#                                        and compute-sanitizer on small cases
+#   scripts/gpu-check.sh bench [OUTDIR] [ARGS...]  on the GPU machine: the GPU benchmarks
 #
-# With the device tool: carry .gpu-bundle and run `bash scripts/gpu-check.sh run $OUT`.
+# With the device tool: carry .gpu-bundle and run
+#   bash scripts/gpu-check.sh run $OUT && bash scripts/gpu-check.sh bench $OUT
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
-gpu_tests=(tests/kernels/cuda_rms_norm_test)
+gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_mla_verify_attention_test)
+gpu_benches=(bench/mla_verify_bench)
+# Small cases for compute-sanitizer: test binary and gtest filter.
+sanitized=("cuda_mla_verify_attention_test:*GraphReplay*:*TinyModel*")
 
 case "${1:-}" in
   bundle)
@@ -18,7 +25,9 @@ case "${1:-}" in
       "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON
     rm -rf "$bundle"
     binaries=()
-    for t in "${gpu_tests[@]}"; do binaries+=("${BUILD_DIR:-$root/build-gpu}/$t"); done
+    for t in "${gpu_tests[@]}" "${gpu_benches[@]}"; do
+      binaries+=("${BUILD_DIR:-$root/build-gpu}/$t")
+    done
     bash "$root/../shared/tools/gpu-bundle.sh" "$bundle" "${binaries[@]}"
     ;;
   run)
@@ -30,18 +39,48 @@ case "${1:-}" in
     status=0
     for t in "${gpu_tests[@]}"; do
       name=$(basename "$t")
-      if ! "$bundle/bin/$name" --gtest_output="xml:$out/$name.xml" 2>&1 | tee "$out/$name.log"; then
+      if ! "$bundle/bin/$name" >"$out/$name.log" 2>&1; then
         status=1
       fi
+      grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error" "$out/$name.log" | sed "s/^/$name: /" || true
       if grep -q "SKIPPED \]" "$out/$name.log"; then
         echo "gpu-check: $name skipped tests on a GPU machine" >&2
         status=1
       fi
+      cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
+    done
+    # memcheck and synccheck gate; racecheck is recorded but does not: it reports hazards between
+    # accesses that named barriers and TMA mbarriers order in the wgmma kernels (see
+    # bench/NOTES.md, "racecheck").
+    for entry in "${sanitized[@]}"; do
+      name=${entry%%:*}
+      filter=${entry#*:}
+      for tool in memcheck synccheck racecheck; do
+        log=$out/sanitizer-$tool.log
+        if ! compute-sanitizer --tool "$tool" --error-exitcode 3 "$bundle/bin/$name" \
+            --gtest_filter="$filter" >"$log" 2>&1; then
+          if [ "$tool" = racecheck ]; then
+            echo "gpu-check: racecheck reported hazards on $name (recorded, not gating)" >&2
+          else
+            echo "gpu-check: compute-sanitizer $tool failed on $name ($filter)" >&2
+            status=1
+          fi
+        fi
+        tail -n 2 "$log" | sed "s/^/$tool $name: /"
+        cat "$log" >>"$out/sanitizer.log" && rm "$log"
+      done
     done
     exit $status
     ;;
+  bench)
+    out=${2:-$root/gpu-check-out}
+    mkdir -p "$out"
+    # shellcheck disable=SC1091
+    source "$bundle/env.sh"
+    "$bundle/bin/mla_verify_bench" --out "$out" "${@:3}"
+    ;;
   *)
-    echo "usage: $0 bundle | run [OUTDIR]" >&2
+    echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...]" >&2
     exit 2
     ;;
 esac

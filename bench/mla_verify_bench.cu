@@ -1,0 +1,635 @@
+// MLA tree-verify attention on the GPU against its roofline.
+//
+//   mla_verify_bench [--out DIR] [--quick] [--only H,Q,L,B]
+//
+// Measures, in one run: the copy bandwidth (a large device-to-device copy, bytes read + written)
+// and the bf16 tensor-core rate (an 8192^3 cuBLAS GEMM) as the ceilings; then for each shape
+// (heads H, tree rows Q, context L, batch B) the planned kernel's median time inside CUDA graphs,
+// with the KV cache rotated over copies that together exceed the L2, against
+//   floor = max(B * L * 576 * 2 bytes / bandwidth, B * 2 * Q * H * L * 1088 FLOPs / rate).
+// Beside it: the planner's NSPLIT against a sweep (a subset of shapes), an arbitrary tree against
+// a chain of the same size, and two reference points: a seed-style kernel (the portable kernel,
+// one block per (row, split), NSPLIT fixed at 16, scalar loads) and a cuBLAS attention that
+// materializes the scores. Writes mla_verify.json and mla_verify.md under --out.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "treeverify/kernels/cuda/device.h"
+#include "treeverify/kernels/cuda/mla_verify_attention.h"
+
+namespace tv = treeverify::kernels;
+namespace tvc = treeverify::kernels::cuda;
+
+namespace {
+
+constexpr int kLatent = 512;
+constexpr int kRope = 64;
+constexpr int kDims = kLatent + kRope;
+constexpr int kPageSize = 64;
+constexpr int64_t kRotationBytes = 256ll << 20;  // KV copies cycled through: 5x the 50 MB L2
+
+#define CHECK_CUDA(expr)                                                                        \
+  do {                                                                                          \
+    cudaError_t e = (expr);                                                                     \
+    if (e != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+#define CHECK_CUBLAS(expr)                                                            \
+  do {                                                                                \
+    cublasStatus_t s = (expr);                                                        \
+    if (s != CUBLAS_STATUS_SUCCESS) {                                                 \
+      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #expr, \
+                   static_cast<int>(s));                                              \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+void CheckStatus(const absl::Status& status, const char* what) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(status.message()).c_str());
+    std::exit(1);
+  }
+}
+
+// Random bf16 in [-2, 2): never zeros.
+__global__ void FillRandom(__nv_bfloat16* data, int64_t count, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32);
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    data[i] = __float2bfloat16((static_cast<float>(x & 0xFFFF) / 65536.f - 0.5f) * 4.f);
+  }
+}
+
+void Fill(__nv_bfloat16* data, int64_t count, uint32_t seed) {
+  FillRandom<<<1024, 256>>>(data, count, seed);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+// The copy ceiling: 16-byte loads and stores, four in flight per thread, a grid-stride loop.
+__global__ void CopyKernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t count) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  for (; i + 3 * stride < count; i += 4 * stride) {
+    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a;
+    dst[i + stride] = b;
+    dst[i + 2 * stride] = c;
+    dst[i + 3 * stride] = d;
+  }
+  for (; i < count; i += stride) dst[i] = src[i];
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median milliseconds of `replays` launches of `exec`, after two warm-up launches.
+double TimeGraph(cudaGraphExec_t exec, cudaStream_t stream, int replays) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  std::vector<double> ms;
+  for (int i = 0; i < replays; ++i) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return Median(ms);
+}
+
+template <typename Body>
+cudaGraphExec_t Capture(cudaStream_t stream, Body body) {
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  body();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return exec;
+}
+
+struct Ceilings {
+  double copy_bytes_per_s = 0;
+  double memcpy_bytes_per_s = 0;
+  double kernel_copy_bytes_per_s = 0;
+  double tensor_flops_per_s = 0;
+};
+
+Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
+  Ceilings c;
+  const int64_t bytes = 2ll << 30;
+  __nv_bfloat16 *src, *dst;
+  CHECK_CUDA(cudaMalloc(&src, bytes));
+  CHECK_CUDA(cudaMalloc(&dst, bytes));
+  Fill(src, bytes / 2, 1);
+  // The faster of cudaMemcpyAsync and our own copy kernel, counting bytes read + written.
+  cudaGraphExec_t copy = Capture(stream, [&] {
+    CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  c.memcpy_bytes_per_s = 2.0 * bytes / (TimeGraph(copy, stream, 10) * 1e-3);
+  CHECK_CUDA(cudaGraphExecDestroy(copy));
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaGraphExec_t kernel_copy = Capture(stream, [&] {
+    CopyKernel<<<sms * 8, 256, 0, stream>>>(reinterpret_cast<const uint4*>(src),
+                                            reinterpret_cast<uint4*>(dst), bytes / 16);
+  });
+  c.kernel_copy_bytes_per_s = 2.0 * bytes / (TimeGraph(kernel_copy, stream, 10) * 1e-3);
+  CHECK_CUDA(cudaGraphExecDestroy(kernel_copy));
+  c.copy_bytes_per_s = std::max(c.memcpy_bytes_per_s, c.kernel_copy_bytes_per_s);
+  CHECK_CUDA(cudaFree(src));
+  CHECK_CUDA(cudaFree(dst));
+
+  const int n = 8192;
+  __nv_bfloat16 *a, *b, *d;
+  CHECK_CUDA(cudaMalloc(&a, int64_t{n} * n * 2));
+  CHECK_CUDA(cudaMalloc(&b, int64_t{n} * n * 2));
+  CHECK_CUDA(cudaMalloc(&d, int64_t{n} * n * 2));
+  Fill(a, int64_t{n} * n, 2);
+  Fill(b, int64_t{n} * n, 3);
+  const float one = 1.f, zero = 0.f;
+  cudaGraphExec_t gemm = Capture(stream, [&] {
+    CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b,
+                              CUDA_R_16BF, n, &zero, d, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  });
+  c.tensor_flops_per_s = 2.0 * n * n * double(n) / (TimeGraph(gemm, stream, 10) * 1e-3);
+  CHECK_CUDA(cudaGraphExecDestroy(gemm));
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaFree(d));
+  return c;
+}
+
+struct Shape {
+  int heads;
+  int rows;  // Q: tree rows per sequence
+  int64_t context;
+  int batch;
+  bool chain = false;
+};
+
+// Device buffers of one shape: `copies` caches (identity page tables into disjoint pages) cycled
+// through so that the KV comes from DRAM, not the L2.
+class Workload {
+ public:
+  Workload(const Shape& s, uint32_t seed) : shape_(s) {
+    keys_ = s.context + s.rows;
+    pages_per_seq_ = static_cast<int32_t>((keys_ + kPageSize - 1) / kPageSize);
+    const int64_t copy_bytes = int64_t{s.batch} * pages_per_seq_ * kPageSize * kDims * 2;
+    copies_ = static_cast<int>(
+        std::clamp<int64_t>((kRotationBytes + copy_bytes - 1) / copy_bytes, 2, 64));
+    num_pages_ = copies_ * s.batch * pages_per_seq_;
+    CHECK_CUDA(cudaMalloc(&cache_, int64_t{num_pages_} * kPageSize * kDims * 2));
+    Fill(cache_, int64_t{num_pages_} * kPageSize * kDims, seed);
+    const int64_t q_rows = int64_t{s.batch} * s.rows * s.heads;
+    CHECK_CUDA(cudaMalloc(&q_, q_rows * kDims * 2));
+    Fill(q_, q_rows * kDims, seed + 1);
+    CHECK_CUDA(cudaMalloc(&out_, q_rows * kLatent * 2));
+    CHECK_CUDA(cudaMalloc(&lse_, q_rows * 4));
+
+    std::vector<int32_t> tables(int64_t{copies_} * s.batch * pages_per_seq_);
+    for (size_t i = 0; i < tables.size(); ++i) tables[i] = static_cast<int32_t>(i);
+    CHECK_CUDA(cudaMalloc(&page_tables_, tables.size() * 4));
+    CHECK_CUDA(cudaMemcpy(page_tables_, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> committed(s.batch, static_cast<int32_t>(s.context));
+    std::vector<int32_t> offsets(s.batch + 1);
+    for (int b = 0; b <= s.batch; ++b) offsets[b] = b * s.rows;
+    std::mt19937 rng(seed);
+    std::vector<uint64_t> masks(int64_t{s.batch} * s.rows * tv::kAncestorMaskWords, 0);
+    for (int b = 0; b < s.batch; ++b) {
+      std::vector<int> parent(s.rows, -1);
+      for (int i = 1; i < s.rows; ++i) {
+        parent[i] = s.chain ? i - 1 : std::uniform_int_distribution<int>(0, i - 1)(rng);
+      }
+      for (int i = 0; i < s.rows; ++i) {
+        for (int a = i; a >= 0; a = parent[a]) {
+          masks[(int64_t{b} * s.rows + i) * tv::kAncestorMaskWords + a / 64] |= uint64_t{1}
+                                                                                << (a % 64);
+        }
+      }
+    }
+    CHECK_CUDA(cudaMalloc(&committed_, s.batch * 4));
+    CHECK_CUDA(cudaMalloc(&offsets_, (s.batch + 1) * 4));
+    CHECK_CUDA(cudaMalloc(&masks_, masks.size() * 8));
+    CHECK_CUDA(cudaMemcpy(committed_, committed.data(), s.batch * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(offsets_, offsets.data(), (s.batch + 1) * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(masks_, masks.data(), masks.size() * 8, cudaMemcpyHostToDevice));
+  }
+  ~Workload() {
+    cudaFree(cache_);
+    cudaFree(q_);
+    cudaFree(out_);
+    cudaFree(lse_);
+    cudaFree(page_tables_);
+    cudaFree(committed_);
+    cudaFree(offsets_);
+    cudaFree(masks_);
+  }
+  Workload(const Workload&) = delete;
+  Workload& operator=(const Workload&) = delete;
+
+  tvc::MlaVerifyShape MlaShape() const {
+    return {.num_seqs = shape_.batch,
+            .max_rows_per_seq = shape_.rows,
+            .row_capacity = shape_.batch * shape_.rows,
+            .num_heads = shape_.heads,
+            .latent_dim = kLatent,
+            .rope_dim = kRope,
+            .page_size = kPageSize};
+  }
+
+  tvc::MlaVerifyParamsBf16 Params(int copy) const {
+    tvc::MlaVerifyParamsBf16 p;
+    p.q = q_;
+    p.kv_cache = cache_;
+    p.page_table = page_tables_ + int64_t{copy} * shape_.batch * pages_per_seq_;
+    p.committed_lengths = committed_;
+    p.row_offsets = offsets_;
+    p.ancestor_mask = masks_;
+    p.out = out_;
+    p.lse = lse_;
+    p.num_seqs = shape_.batch;
+    p.num_heads = shape_.heads;
+    p.latent_dim = kLatent;
+    p.rope_dim = kRope;
+    p.page_size = kPageSize;
+    p.max_pages_per_seq = pages_per_seq_;
+    p.num_pages = num_pages_;
+    p.softmax_scale = 1.f / std::sqrt(192.f);
+    return p;
+  }
+
+  // Median microseconds of one launch of `plan`, from graphs of one launch per copy.
+  double TimePlan(const tvc::MlaVerifyPlan& plan, void* workspace, cudaStream_t stream,
+                  int replays) const {
+    cudaGraphExec_t exec = Capture(stream, [&] {
+      for (int c = 0; c < copies_; ++c) {
+        CheckStatus(tvc::MlaVerifyAttention(Params(c), MlaShape(), plan, workspace, stream),
+                    "MlaVerifyAttention");
+      }
+    });
+    const double us = TimeGraph(exec, stream, replays) * 1e3 / copies_;
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    return us;
+  }
+
+  const Shape& shape() const { return shape_; }
+  int copies() const { return copies_; }
+  int64_t keys() const { return keys_; }
+  __nv_bfloat16* cache() const { return cache_; }
+  __nv_bfloat16* q() const { return q_; }
+  uint64_t* masks() const { return masks_; }
+  int32_t pages_per_seq() const { return pages_per_seq_; }
+
+ private:
+  Shape shape_;
+  int64_t keys_ = 0;
+  int32_t pages_per_seq_ = 0;
+  int copies_ = 0;
+  int32_t num_pages_ = 0;
+  __nv_bfloat16* cache_ = nullptr;
+  __nv_bfloat16* q_ = nullptr;
+  __nv_bfloat16* out_ = nullptr;
+  float* lse_ = nullptr;
+  int32_t* page_tables_ = nullptr;
+  int32_t* committed_ = nullptr;
+  int32_t* offsets_ = nullptr;
+  uint64_t* masks_ = nullptr;
+};
+
+// Masked softmax of one row of materialized scores (the cuBLAS reference): P in bf16.
+__global__ void MaskedSoftmax(const float* scores, __nv_bfloat16* probs, const uint64_t* masks,
+                              int64_t keys, int64_t committed, int heads, float scale) {
+  __shared__ float reduce[32];
+  const int row = blockIdx.x;
+  const int node = row / heads;
+  const float* s = scores + int64_t{row} * keys;
+  auto visible = [&](int64_t k) {
+    if (k < committed) return true;
+    const int64_t j = k - committed;
+    return ((masks[node * tv::kAncestorMaskWords + j / 64] >> (j % 64)) & 1) != 0;
+  };
+  float m = -INFINITY;
+  for (int64_t k = threadIdx.x; k < keys; k += blockDim.x) {
+    if (visible(k)) m = fmaxf(m, s[k] * scale);
+  }
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = reduce[0];
+  for (int w = 1; w < blockDim.x / 32; ++w) m = fmaxf(m, reduce[w]);
+  __syncthreads();
+  float sum = 0;
+  for (int64_t k = threadIdx.x; k < keys; k += blockDim.x) {
+    sum += visible(k) ? expf(s[k] * scale - m) : 0.f;
+  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (threadIdx.x % 32 == 0) reduce[threadIdx.x / 32] = sum;
+  __syncthreads();
+  sum = 0;
+  for (int w = 0; w < blockDim.x / 32; ++w) sum += reduce[w];
+  const float inv = 1.f / sum;
+  for (int64_t k = threadIdx.x; k < keys; k += blockDim.x) {
+    probs[int64_t{row} * keys + k] =
+        __float2bfloat16(visible(k) ? expf(s[k] * scale - m) * inv : 0.f);
+  }
+}
+
+// cuBLAS attention at batch 1: S = Q K^T (fp32), masked softmax, O = P V. Microseconds, or -1
+// when the materialized scores would not fit the budget.
+double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_t stream) {
+  const Shape& s = w.shape();
+  const int64_t rows = int64_t{s.rows} * s.heads;
+  const int64_t keys = w.keys();
+  if (s.batch != 1 || rows * keys * 6 > (3ll << 30)) return -1;
+  float* scores;
+  __nv_bfloat16 *probs, *out;
+  CHECK_CUDA(cudaMalloc(&scores, rows * keys * 4));
+  CHECK_CUDA(cudaMalloc(&probs, rows * keys * 2));
+  CHECK_CUDA(cudaMalloc(&out, rows * kLatent * 2));
+  const float one = 1.f, zero = 0.f;
+  const int copies = w.copies();
+  cudaGraphExec_t exec = Capture(stream, [&] {
+    for (int c = 0; c < copies; ++c) {
+      // Copy c's pages are contiguous: its KV is a [keys, 576] row-major matrix.
+      const __nv_bfloat16* kv = w.cache() + int64_t{c} * w.pages_per_seq() * kPageSize * kDims;
+      CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(keys),
+                                static_cast<int>(rows), kDims, &one, kv, CUDA_R_16BF, kDims, w.q(),
+                                CUDA_R_16BF, kDims, &zero, scores, CUDA_R_32F,
+                                static_cast<int>(keys), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      MaskedSoftmax<<<static_cast<unsigned>(rows), 256, 0, stream>>>(
+          scores, probs, w.masks(), keys, s.context, s.heads, 1.f / std::sqrt(192.f));
+      CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, kLatent, static_cast<int>(rows),
+                                static_cast<int>(keys), &one, kv, CUDA_R_16BF, kDims, probs,
+                                CUDA_R_16BF, static_cast<int>(keys), &zero, out, CUDA_R_16BF,
+                                kLatent, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+  });
+  const double us = TimeGraph(exec, stream, 3) * 1e3 / copies;
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaFree(scores));
+  CHECK_CUDA(cudaFree(probs));
+  CHECK_CUDA(cudaFree(out));
+  return us;
+}
+
+struct Row {
+  Shape shape;
+  tvc::MlaVerifyPlan plan;
+  double us = 0;
+  double floor_us = 0;
+  double bytes = 0;
+  double flops = 0;
+  double best_sweep_us = -1;
+  int best_sweep_nsplit = 0;
+  double chain_us = -1;
+  double seed_us = -1;
+  double cublas_us = -1;
+  double other_kernel_us = -1;
+  std::string other_kernel_plan;
+  nlohmann::json sweep = nlohmann::json::array();
+};
+
+std::string Fmt(const char* format, double v) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, format, v);
+  return buffer;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_dir = ".";
+  bool quick = false;
+  std::vector<Shape> only;  // --only: just these shapes (profiling)
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
+      out_dir = argv[++i];
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
+      Shape s{};
+      long long context = 0;
+      if (std::sscanf(argv[++i], "%d,%d,%lld,%d", &s.heads, &s.rows, &context, &s.batch) != 4) {
+        std::fprintf(stderr, "--only wants H,Q,L,B\n");
+        return 2;
+      }
+      s.context = context;
+      only.push_back(s);
+    } else {
+      std::fprintf(stderr, "usage: %s [--out DIR] [--quick] [--only H,Q,L,B]...\n", argv[0]);
+      return 2;
+    }
+  }
+  absl::StatusOr<tvc::DeviceInfo> device = tvc::QueryDevice(0);
+  if (!device.ok()) {
+    std::fprintf(stderr, "mla_verify_bench needs a GPU: %s\n",
+                 std::string(device.status().message()).c_str());
+    return 1;
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t cublas;
+  CHECK_CUBLAS(cublasCreate(&cublas));
+  CHECK_CUBLAS(cublasSetStream(cublas, stream));
+  void* cublas_workspace;
+  CHECK_CUDA(cudaMalloc(&cublas_workspace, 64 << 20));
+  CHECK_CUBLAS(cublasSetWorkspace(cublas, cublas_workspace, 64 << 20));
+
+  const Ceilings ceilings = MeasureCeilings(stream, cublas);
+  std::printf(
+      "device %s, %d SMs: copy %.0f GB/s (cudaMemcpyAsync %.0f, copy kernel %.0f), bf16 GEMM "
+      "%.0f TFLOP/s\n",
+      device->name.c_str(), device->multiprocessors, ceilings.copy_bytes_per_s / 1e9,
+      ceilings.memcpy_bytes_per_s / 1e9, ceilings.kernel_copy_bytes_per_s / 1e9,
+      ceilings.tensor_flops_per_s / 1e12);
+
+  std::vector<Shape> shapes;
+  const std::vector<int> heads = quick ? std::vector<int>{8, 16} : std::vector<int>{8, 16, 64, 128};
+  const std::vector<int> tree_rows =
+      quick ? std::vector<int>{1, 9} : std::vector<int>{1, 9, 16, 32, 64};
+  const std::vector<int64_t> contexts =
+      quick ? std::vector<int64_t>{4096, 46000} : std::vector<int64_t>{4096, 16384, 46000, 131072};
+  for (int h : heads) {
+    for (int q : tree_rows) {
+      for (int64_t l : contexts) shapes.push_back({h, q, l, 1});
+      if (!quick) {
+        for (int b : {8, 32}) shapes.push_back({h, q, 16384, b});
+      }
+    }
+  }
+  if (!only.empty()) shapes = only;
+  auto sweep_shape = [](const Shape& s) {
+    return s.batch == 1 && (s.context == 16384 || s.context == 46000) &&
+           ((s.heads == 8 && (s.rows == 1 || s.rows == 9)) || (s.heads == 16 && s.rows == 16) ||
+            (s.heads == 64 && s.rows == 9) || (s.heads == 128 && s.rows == 1));
+  };
+  auto chain_shape = [](const Shape& s) {
+    return s.batch == 1 && s.rows >= 9 && s.heads <= 16 && s.context >= 16384;
+  };
+
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  auto ensure_workspace = [&](int64_t bytes) {
+    if (bytes <= workspace_bytes) return;
+    if (workspace) CHECK_CUDA(cudaFree(workspace));
+    CHECK_CUDA(cudaMalloc(&workspace, bytes));
+    workspace_bytes = bytes;
+  };
+
+  std::vector<Row> rows;
+  uint32_t seed = 100;
+  for (const Shape& shape : shapes) {
+    Row row;
+    row.shape = shape;
+    Workload w(shape, seed++);
+    absl::StatusOr<tvc::MlaVerifyPlan> plan = tvc::PlanMlaVerify(w.MlaShape(), *device, {});
+    CheckStatus(plan.status(), "plan");
+    row.plan = *plan;
+    ensure_workspace(plan->workspace_bytes);
+    const int replays = 15;
+    row.us = w.TimePlan(*plan, workspace, stream, replays);
+    row.bytes = double(shape.batch) * shape.context * kDims * 2;
+    row.flops =
+        double(shape.batch) * 2.0 * shape.rows * shape.heads * shape.context * (kDims + kLatent);
+    row.floor_us =
+        std::max(row.bytes / ceilings.copy_bytes_per_s, row.flops / ceilings.tensor_flops_per_s) *
+        1e6;
+
+    if (sweep_shape(shape)) {
+      for (int nsplit : {1, 2, 3, 4, 6, 8, 11, 16, 22, 33, 44, 66, 88, 132, 176, 256}) {
+        absl::StatusOr<tvc::MlaVerifyPlan> forced =
+            tvc::PlanMlaVerify(w.MlaShape(), *device, {.forced_nsplit = nsplit});
+        CheckStatus(forced.status(), "plan");
+        ensure_workspace(forced->workspace_bytes);
+        const double us = w.TimePlan(*forced, workspace, stream, 7);
+        row.sweep.push_back({{"nsplit", nsplit}, {"us", us}});
+        if (row.best_sweep_us < 0 || us < row.best_sweep_us) {
+          row.best_sweep_us = us;
+          row.best_sweep_nsplit = nsplit;
+        }
+      }
+    }
+    // The other wgmma kernel on the same inputs: what the planner's narrow/wide rule gives up.
+    if (shape.batch == 1 && shape.context != 131072 &&
+        row.plan.kernel != tvc::MlaVerifyKernel::kSimt) {
+      const tvc::MlaVerifyKernel other = row.plan.kernel == tvc::MlaVerifyKernel::kWgmmaWide
+                                             ? tvc::MlaVerifyKernel::kWgmmaNarrow
+                                             : tvc::MlaVerifyKernel::kWgmmaWide;
+      absl::StatusOr<tvc::MlaVerifyPlan> alt =
+          tvc::PlanMlaVerify(w.MlaShape(), *device, {.kernel = other});
+      CheckStatus(alt.status(), "plan");
+      ensure_workspace(alt->workspace_bytes);
+      row.other_kernel_us = w.TimePlan(*alt, workspace, stream, 7);
+      row.other_kernel_plan = alt->ToString();
+    }
+    if (chain_shape(shape)) {
+      Shape chain = shape;
+      chain.chain = true;
+      Workload wc(chain, seed++);
+      row.chain_us = wc.TimePlan(*plan, workspace, stream, replays);
+    }
+    const double work = double(shape.batch) * shape.rows * shape.heads * shape.context;
+    if (work <= 2e7) {
+      absl::StatusOr<tvc::MlaVerifyPlan> seed_plan = tvc::PlanMlaVerify(
+          w.MlaShape(), *device, {.forced_nsplit = 16, .kernel = tvc::MlaVerifyKernel::kSimt});
+      CheckStatus(seed_plan.status(), "plan");
+      ensure_workspace(seed_plan->workspace_bytes);
+      row.seed_us = w.TimePlan(*seed_plan, workspace, stream, 3);
+    }
+    row.cublas_us = TimeCublasReference(w, cublas, stream);
+    std::printf("H=%3d Q=%2d L=%6lld B=%2d  %9.1f us  floor %8.1f us  %5.1f%%  %s\n", shape.heads,
+                shape.rows, static_cast<long long>(shape.context), shape.batch, row.us,
+                row.floor_us, 100 * row.floor_us / row.us, row.plan.ToString().c_str());
+    std::fflush(stdout);
+    rows.push_back(std::move(row));
+  }
+
+  nlohmann::json json;
+  json["device"] = device->name;
+  json["multiprocessors"] = device->multiprocessors;
+  json["copy_bytes_per_s"] = ceilings.copy_bytes_per_s;
+  json["memcpy_bytes_per_s"] = ceilings.memcpy_bytes_per_s;
+  json["kernel_copy_bytes_per_s"] = ceilings.kernel_copy_bytes_per_s;
+  json["tensor_flops_per_s"] = ceilings.tensor_flops_per_s;
+  json["rows"] = nlohmann::json::array();
+  std::string md =
+      "| H | Q | L | B | us | floor us | % roofline | GB/s | TFLOP/s | kernel | rows/tile | NSPLIT "
+      "| "
+      "waves | best swept NSPLIT (us) | other wgmma kernel us | chain us | seed-style us | cuBLAS "
+      "us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const Row& r : rows) {
+    nlohmann::json j = {{"heads", r.shape.heads},
+                        {"rows", r.shape.rows},
+                        {"context", r.shape.context},
+                        {"batch", r.shape.batch},
+                        {"us", r.us},
+                        {"floor_us", r.floor_us},
+                        {"roofline_fraction", r.floor_us / r.us},
+                        {"gbps", r.bytes / r.us / 1e3},
+                        {"tflops", r.flops / r.us / 1e6},
+                        {"plan", r.plan.ToString()},
+                        {"nsplit", r.plan.nsplit},
+                        {"waves", r.plan.waves},
+                        {"row_tile", r.plan.row_tile},
+                        {"sweep", r.sweep},
+                        {"chain_us", r.chain_us},
+                        {"seed_style_us", r.seed_us},
+                        {"cublas_us", r.cublas_us},
+                        {"other_kernel_us", r.other_kernel_us},
+                        {"other_kernel_plan", r.other_kernel_plan}};
+    json["rows"].push_back(j);
+    md += "| " + std::to_string(r.shape.heads) + " | " + std::to_string(r.shape.rows) + " | " +
+          std::to_string(r.shape.context) + " | " + std::to_string(r.shape.batch) + " | " +
+          Fmt("%.1f", r.us) + " | " + Fmt("%.1f", r.floor_us) + " | " +
+          Fmt("%.1f", 100 * r.floor_us / r.us) + " | " + Fmt("%.0f", r.bytes / r.us / 1e3) + " | " +
+          Fmt("%.0f", r.flops / r.us / 1e6) + " | " + tvc::MlaVerifyKernelName(r.plan.kernel) +
+          " | " + std::to_string(r.plan.row_tile) + " | " + std::to_string(r.plan.nsplit) + " | " +
+          Fmt("%.2f", r.plan.waves) + " | " +
+          (r.best_sweep_us > 0
+               ? std::to_string(r.best_sweep_nsplit) + " (" + Fmt("%.1f", r.best_sweep_us) + ")"
+               : std::string("")) +
+          " | " + (r.other_kernel_us > 0 ? Fmt("%.1f", r.other_kernel_us) : "") + " | " +
+          (r.chain_us > 0 ? Fmt("%.1f", r.chain_us) : "") + " | " +
+          (r.seed_us > 0 ? Fmt("%.1f", r.seed_us) : "") + " | " +
+          (r.cublas_us > 0 ? Fmt("%.1f", r.cublas_us) : "") + " |\n";
+  }
+  std::ofstream(out_dir + "/mla_verify.json") << json.dump(1) << "\n";
+  std::ofstream(out_dir + "/mla_verify.md") << md;
+  std::printf("copy %.0f GB/s, GEMM %.0f TFLOP/s\n%s", ceilings.copy_bytes_per_s / 1e9,
+              ceilings.tensor_flops_per_s / 1e12, md.c_str());
+  if (workspace) CHECK_CUDA(cudaFree(workspace));
+  CHECK_CUDA(cudaFree(cublas_workspace));
+  cublasDestroy(cublas);
+  return 0;
+}

@@ -1,0 +1,277 @@
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "mla_verify_combine_kernel.cuh"
+#include "mla_verify_common.cuh"
+#include "mla_verify_rows64_kernel.cuh"
+#include "mla_verify_simt_kernel.cuh"
+#include "mla_verify_wgmma_kernel.cuh"
+#include "tensor_map.h"
+#include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/mla_verify_attention.h"
+#include "treeverify/kernels/status.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiations (N of wgmma)
+
+template <int kRows>
+const void* WgmmaKernel() {
+  return reinterpret_cast<const void*>(&mla::MlaVerifyWgmmaKernel<kRows>);
+}
+
+const void* WgmmaKernelFor(int rows) {
+  switch (rows) {
+    case 8:
+      return WgmmaKernel<8>();
+    case 16:
+      return WgmmaKernel<16>();
+    case 24:
+      return WgmmaKernel<24>();
+    default:
+      return WgmmaKernel<32>();
+  }
+}
+
+int64_t WgmmaSmemBytes(int rows) {
+  switch (rows) {
+    case 8:
+      return mla::WgmmaSmem<8>::kBytes;
+    case 16:
+      return mla::WgmmaSmem<16>::kBytes;
+    case 24:
+      return mla::WgmmaSmem<24>::kBytes;
+    default:
+      return mla::WgmmaSmem<32>::kBytes;
+  }
+}
+
+// The row tile that pads the packed rows least, then the larger one (fewer re-reads of the KV).
+int ChooseRowTile(int64_t packed_rows) {
+  int best = kRowTiles[0];
+  int64_t best_padded = INT64_MAX;
+  for (int tile : kRowTiles) {
+    const int64_t padded = (packed_rows + tile - 1) / tile * tile;
+    if (padded <= best_padded) {
+      best = tile;
+      best_padded = padded;
+    }
+  }
+  return best;
+}
+
+absl::Status ValidateShape(const MlaVerifyShape& s) {
+  if (s.num_seqs <= 0 || s.max_rows_per_seq <= 0 || s.max_rows_per_seq > kMaxSegmentRows ||
+      s.row_capacity < s.max_rows_per_seq || s.num_heads <= 0 || s.latent_dim <= 0 ||
+      s.latent_dim > mla::kSimtMaxLatentPerLane * 32 || s.rope_dim < 0 || s.page_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA verify shape: num_seqs ", s.num_seqs, ", max_rows_per_seq ", s.max_rows_per_seq,
+        " (1..", kMaxSegmentRows, "), row_capacity ", s.row_capacity, ", num_heads ", s.num_heads,
+        ", latent_dim ", s.latent_dim, " (1..", mla::kSimtMaxLatentPerLane * 32, "), rope_dim ",
+        s.rope_dim, ", page_size ", s.page_size));
+  }
+  return absl::OkStatus();
+}
+
+// The wgmma kernels run on sm_90 built with sm_90a code, at the production dims, with pages whose
+// size is a multiple of 8 keys (TMA boxes of gcd(64, page_size) keys stay inside one page).
+bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
+  if (device.compute_capability_major != 9 || device.compute_capability_minor != 0 ||
+      s.latent_dim != mla::kWgmmaLatent || s.rope_dim != mla::kWgmmaRope || s.page_size % 8 != 0) {
+    return false;
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, WgmmaKernelFor(8)) != cudaSuccess) {
+    cudaGetLastError();  // no sm_90 image in this binary
+    return false;
+  }
+  return attributes.binaryVersion == 90;
+}
+
+int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
+  if (options.forced_nsplit > 0) return std::min(options.forced_nsplit, mla::kMaxSplits);
+  // One full wave: as many splits as it takes to give every resident block slot one block.
+  const int64_t splits = std::max<int64_t>(1, capacity / base_blocks);
+  return static_cast<int32_t>(std::min<int64_t>(splits, mla::kMaxSplits));
+}
+
+}  // namespace
+
+const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
+  switch (kernel) {
+    case MlaVerifyKernel::kAuto:
+      return "auto";
+    case MlaVerifyKernel::kWgmmaNarrow:
+      return "wgmma-narrow";
+    case MlaVerifyKernel::kWgmmaWide:
+      return "wgmma-wide";
+    case MlaVerifyKernel::kSimt:
+      return "simt";
+  }
+  return "unknown";
+}
+
+std::string MlaVerifyPlan::ToString() const {
+  return absl::StrFormat(
+      "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
+      "min_split_keys=%d smem=%d workspace=%d",
+      MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
+      min_split_keys, smem_bytes, workspace_bytes);
+}
+
+absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
+                                            const MlaVerifyOptions& options) {
+  TV_RETURN_IF_ERROR(ValidateShape(shape));
+  if (device.multiprocessors <= 0) {
+    return absl::InvalidArgumentError("MLA verify plan: device without multiprocessors");
+  }
+  MlaVerifyPlan plan;
+  plan.min_split_keys = std::max(options.min_split_keys, 1);
+  const int64_t packed_rows = static_cast<int64_t>(shape.max_rows_per_seq) * shape.num_heads;
+  const void* kernel = nullptr;
+  int threads = 0;
+  MlaVerifyKernel choice = options.kernel;
+  if (choice != MlaVerifyKernel::kSimt && !WgmmaApplies(shape, device)) {
+    if (choice != MlaVerifyKernel::kAuto) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "MLA verify: the ", MlaVerifyKernelName(choice), " kernel needs sm_90a code on an sm_90 ",
+          "GPU, 512 + 64 dims and pages of a multiple of 8 keys"));
+    }
+    choice = MlaVerifyKernel::kSimt;
+  }
+  if (choice == MlaVerifyKernel::kAuto) {
+    choice = packed_rows <= kRowTiles[std::size(kRowTiles) - 1] ? MlaVerifyKernel::kWgmmaNarrow
+                                                                : MlaVerifyKernel::kWgmmaWide;
+  }
+  plan.kernel = choice;
+  if (choice == MlaVerifyKernel::kWgmmaNarrow) {
+    plan.row_tile = ChooseRowTile(packed_rows);
+    plan.smem_bytes = WgmmaSmemBytes(plan.row_tile);
+    kernel = WgmmaKernelFor(plan.row_tile);
+    threads = mla::kWgmmaThreads;
+  } else if (choice == MlaVerifyKernel::kWgmmaWide) {
+    plan.row_tile = mla::kRows64;
+    plan.smem_bytes = mla::Rows64Smem::kBytes;
+    kernel = reinterpret_cast<const void*>(&mla::MlaVerifyRows64Kernel);
+    threads = mla::kWgmmaThreads;
+  } else {
+    plan.kernel = MlaVerifyKernel::kSimt;
+    plan.row_tile = 1;
+    plan.smem_bytes = mla::SimtSmemBytes(shape.latent_dim, shape.rope_dim);
+    kernel = reinterpret_cast<const void*>(&mla::MlaVerifySimtKernel);
+    threads = mla::kSimtThreads;
+  }
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(plan.smem_bytes)));
+  TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &plan.blocks_per_sm, kernel, threads, static_cast<size_t>(plan.smem_bytes)));
+  if (plan.blocks_per_sm <= 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("MLA verify: ", MlaVerifyKernelName(plan.kernel), " kernel with ",
+                     plan.smem_bytes, " bytes of shared memory does not fit a multiprocessor"));
+  }
+  plan.row_tiles = static_cast<int32_t>((packed_rows + plan.row_tile - 1) / plan.row_tile);
+  const int64_t base_blocks = static_cast<int64_t>(plan.row_tiles) * shape.num_seqs;
+  const int64_t capacity = static_cast<int64_t>(device.multiprocessors) * plan.blocks_per_sm;
+  plan.nsplit = ChooseSplits(base_blocks, capacity, options);
+  const int64_t blocks = base_blocks * plan.nsplit;
+  if (blocks > INT32_MAX || plan.row_tiles * static_cast<int64_t>(plan.nsplit) > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("MLA verify: ", blocks, " blocks"));
+  }
+  plan.blocks = static_cast<int32_t>(blocks);
+  plan.waves = static_cast<double>(blocks) / static_cast<double>(capacity);
+  plan.workspace_bytes = plan.nsplit > 1 ? mla::PartialLayout::Bytes(
+                                               shape.num_seqs, plan.nsplit,
+                                               static_cast<int32_t>(packed_rows), shape.latent_dim)
+                                         : 0;
+  return plan;
+}
+
+absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifyShape& shape,
+                                const MlaVerifyPlan& plan, void* workspace, cudaStream_t stream) {
+  TV_RETURN_IF_ERROR(ValidateShape(shape));
+  if (p.num_seqs != shape.num_seqs || p.num_heads != shape.num_heads ||
+      p.latent_dim != shape.latent_dim || p.rope_dim != shape.rope_dim ||
+      p.page_size != shape.page_size || p.num_pages <= 0 || p.max_pages_per_seq <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA verify: params (num_seqs ", p.num_seqs, ", heads ", p.num_heads, ", dims ",
+        p.latent_dim, "+", p.rope_dim, ", page_size ", p.page_size, ", num_pages ", p.num_pages,
+        ", max_pages_per_seq ", p.max_pages_per_seq, ") do not match the planned shape"));
+  }
+  if (p.q == nullptr || p.kv_cache == nullptr || p.page_table == nullptr ||
+      p.committed_lengths == nullptr || p.row_offsets == nullptr || p.ancestor_mask == nullptr ||
+      p.out == nullptr || p.lse == nullptr) {
+    return absl::InvalidArgumentError("MLA verify: every params pointer must be set");
+  }
+  if (plan.nsplit > 1 && workspace == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MLA verify: the plan needs ", plan.workspace_bytes, " bytes of workspace"));
+  }
+  const int32_t packed_rows = shape.max_rows_per_seq * shape.num_heads;
+  const mla::PartialLayout partial =
+      plan.nsplit > 1 ? mla::PartialLayout::At(workspace, shape.num_seqs, plan.nsplit, packed_rows,
+                                               shape.latent_dim)
+                      : mla::PartialLayout{nullptr, nullptr, 1, packed_rows, shape.latent_dim};
+  const bool direct = plan.nsplit == 1;
+  const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.nsplit),
+                  static_cast<unsigned>(shape.num_seqs));
+
+  if (plan.kernel == MlaVerifyKernel::kWgmmaNarrow || plan.kernel == MlaVerifyKernel::kWgmmaWide) {
+    const int dims = shape.latent_dim + shape.rope_dim;
+    const int32_t box_rows = std::gcd(kMlaKeyTile, shape.page_size);
+    TV_ASSIGN_OR_RETURN(
+        CUtensorMap kv_map,
+        MakeBf16TensorMap2d(p.kv_cache, static_cast<int64_t>(p.num_pages) * p.page_size, dims, dims,
+                            box_rows));
+    TV_ASSIGN_OR_RETURN(
+        CUtensorMap q_map,
+        MakeBf16TensorMap2d(p.q, static_cast<int64_t>(shape.row_capacity) * shape.num_heads, dims,
+                            dims, plan.row_tile));
+    const mla::WgmmaArgs args{p, partial, plan.min_split_keys, plan.row_tiles, box_rows, direct};
+    const size_t smem = static_cast<size_t>(plan.smem_bytes);
+    switch (plan.kernel == MlaVerifyKernel::kWgmmaWide ? mla::kRows64 : plan.row_tile) {
+      case mla::kRows64:
+        mla::MlaVerifyRows64Kernel<<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        break;
+      case 8:
+        mla::MlaVerifyWgmmaKernel<8>
+            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        break;
+      case 16:
+        mla::MlaVerifyWgmmaKernel<16>
+            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        break;
+      case 24:
+        mla::MlaVerifyWgmmaKernel<24>
+            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        break;
+      case 32:
+        mla::MlaVerifyWgmmaKernel<32>
+            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat("MLA verify: row tile ", plan.row_tile));
+    }
+  } else {
+    const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),
+                         static_cast<unsigned>(shape.num_seqs));
+    mla::MlaVerifySimtKernel<<<simt_grid, mla::kSimtThreads, static_cast<size_t>(plan.smem_bytes),
+                               stream>>>(p, partial, plan.min_split_keys, direct);
+  }
+  TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MLA verify split kernel launch"));
+  if (!direct) {
+    const dim3 combine_grid(
+        static_cast<unsigned>(packed_rows),
+        static_cast<unsigned>(mla::CeilDiv(shape.latent_dim, mla::kCombineDims)),
+        static_cast<unsigned>(shape.num_seqs));
+    mla::MlaVerifyCombineKernel<<<combine_grid, mla::kCombineThreads, 0, stream>>>(
+        p, partial, plan.min_split_keys);
+    TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MLA verify combine kernel launch"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,93 @@
+// What the MLA verify kernels share: how a sequence's keys are cut into splits, and where a split
+// leaves its partial result for the combine kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "treeverify/kernels/cuda/mla_verify_attention.h"
+
+namespace treeverify::kernels::cuda::mla {
+
+// A sequence's keys: its committed prefix followed by its own tree nodes.
+struct SequenceSpan {
+  int32_t rows;       // tree nodes (segment rows) of the sequence
+  int32_t committed;  // prefix keys
+  int32_t row_begin;  // first segment row in q / out
+  __host__ __device__ int32_t keys() const { return committed + rows; }
+};
+
+__device__ inline SequenceSpan LoadSequence(const MlaVerifyParamsBf16& p, int seq) {
+  const int32_t begin = p.row_offsets[seq];
+  return {p.row_offsets[seq + 1] - begin, p.committed_lengths[seq], begin};
+}
+
+// Splits of a sequence with `keys` keys: at most nsplit, each at least min_split_keys long (one
+// split when the sequence is shorter), each a whole number of key tiles. The boundaries depend on
+// the sequence's length and NSPLIT only, never on the batch.
+struct SplitTiles {
+  int32_t begin;
+  int32_t end;  // exclusive; begin == end: the split has no keys
+};
+
+__host__ __device__ inline int32_t CeilDiv(int32_t a, int32_t b) { return (a + b - 1) / b; }
+
+__host__ __device__ inline int32_t TilesPerSplit(int32_t keys, int32_t nsplit,
+                                                 int32_t min_split_keys) {
+  const int32_t tiles = CeilDiv(keys, kMlaKeyTile);
+  int32_t splits = keys / (min_split_keys > 0 ? min_split_keys : 1);
+  splits = splits < 1 ? 1 : (splits > nsplit ? nsplit : splits);
+  return CeilDiv(tiles, splits);
+}
+
+__host__ __device__ inline SplitTiles SplitRange(int32_t keys, int32_t nsplit,
+                                                 int32_t min_split_keys, int32_t split) {
+  const int32_t tiles = CeilDiv(keys, kMlaKeyTile);
+  const int32_t per_split = TilesPerSplit(keys, nsplit, min_split_keys);
+  const int32_t begin = split * per_split;
+  if (begin >= tiles) return {tiles, tiles};
+  const int32_t end = begin + per_split;
+  return {begin, end < tiles ? end : tiles};
+}
+
+// Where split results go: lse [num_seqs][nsplit][max_rows] and normalized outputs
+// [num_seqs][nsplit][max_rows][latent_dim] in fp32, rows being packed (node, head) rows.
+struct PartialLayout {
+  float* lse = nullptr;
+  float* out = nullptr;
+  int32_t nsplit = 1;
+  int32_t max_rows = 0;  // max_rows_per_seq * num_heads
+  int32_t latent_dim = 0;
+
+  __host__ __device__ int64_t Index(int seq, int split, int row) const {
+    return (static_cast<int64_t>(seq) * nsplit + split) * max_rows + row;
+  }
+  __host__ __device__ float* Out(int seq, int split, int row) const {
+    return out + Index(seq, split, row) * latent_dim;
+  }
+
+  static int64_t Bytes(int32_t num_seqs, int32_t nsplit, int32_t max_rows, int32_t latent_dim) {
+    const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
+    return AlignUp(rows * 4) + AlignUp(rows * latent_dim * 4);
+  }
+  static PartialLayout At(void* workspace, int32_t num_seqs, int32_t nsplit, int32_t max_rows,
+                          int32_t latent_dim) {
+    const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
+    char* base = static_cast<char*>(workspace);
+    return {reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + AlignUp(rows * 4)),
+            nsplit, max_rows, latent_dim};
+  }
+  static int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+};
+
+// Whether a segment row (node) may see key `key` of its sequence: every prefix key, and the
+// tree nodes set in its ancestor bitmask.
+__device__ inline bool KeyVisible(const uint64_t* ancestor_mask, int32_t committed, int32_t node,
+                                  int32_t key) {
+  if (key < committed) return true;
+  const int32_t j = key - committed;
+  return (ancestor_mask[node * kAncestorMaskWords + (j >> 6)] >> (j & 63)) & 1;
+}
+
+}  // namespace treeverify::kernels::cuda::mla

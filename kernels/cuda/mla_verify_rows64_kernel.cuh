@@ -1,0 +1,306 @@
+// The sm_90a MLA verify kernel for many packed rows (the compute-bound shapes: H * Q above 32).
+//
+// A block owns 64 packed (node, head) rows of one sequence and one split of its keys, in the
+// plain orientation: S[64 rows x 64 keys] = Q * K^T, O[64 x 512] += P * V. Warpgroup 0 computes S
+// with wgmma (Q and the key tile in shared memory, N = 64), the online softmax (a row's scores
+// live in one quad of lanes: no shared-memory reduction), and P * V for dims 0..255 with P taken
+// straight from its registers; it hands P (bf16) and the rescale factors to warpgroup 1 through
+// shared memory, which does P * V for dims 256..511. While warpgroup 1 multiplies tile i,
+// warpgroup 0 already computes the scores of tile i + 1. V is the first 512 dims of the key
+// tile, read as an MN-major B operand; nothing is copied.
+//
+// Shared memory (227 KB of the 228): two 64-key stages (72 KB each), the query tile (72 KB), P
+// (8 KB). The producer warp, masks and partial-tile zeroing follow the row-tile kernel
+// (mla_verify_wgmma_kernel.cuh).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "mla_verify_common.cuh"
+#include "mla_verify_wgmma_kernel.cuh"
+#include "sm90_primitives.cuh"
+#include "sm90_wgmma_wide.cuh"
+
+namespace treeverify::kernels::cuda::mla {
+
+inline constexpr int kRows64 = 64;
+
+struct Rows64Smem {
+  static constexpr int kQ = 2 * kStageBytes;
+  static constexpr int kProbs = kQ + kWgmmaChunks * kRows64 * 128;  // P [64 rows][64 keys] bf16
+  static constexpr int kAlpha = kProbs + kRows64 * 128;             // rescale per row
+  static constexpr int kHandoff = kAlpha + kRows64 * 4;             // final max, sum per row
+  static constexpr int kBarriers = kHandoff + 2 * kRows64 * 4;      // full[2], empty[2], q
+  static constexpr int kEnd = kBarriers + 5 * 8;
+  static constexpr int kBytes = kEnd + 1024;
+};
+
+// Named barriers between the two consumer warpgroups: WG0 signals "ready" when P and alpha of
+// tile i are in shared memory (WG1 waits), WG1 signals "free" when it has read them (WG0 waits
+// before writing tile i + 1's). WG0's scores of tile i + 1 overlap WG1's P * V of tile i.
+inline constexpr int kProbsReady = 4;
+inline constexpr int kProbsFree = 5;
+
+__device__ inline uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__global__ void __launch_bounds__(kWgmmaThreads, 1)
+    MlaVerifyRows64Kernel(const __grid_constant__ WgmmaArgs args,
+                          const __grid_constant__ CUtensorMap kv_map,
+                          const __grid_constant__ CUtensorMap q_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = Rows64Smem;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
+  uint64_t* empty = full + 2;
+  uint64_t* q_ready = full + 4;
+
+  const MlaVerifyParamsBf16& p = args.p;
+  const int seq = blockIdx.y;
+  const int split = blockIdx.x / args.row_tiles;
+  const int row0 = (blockIdx.x % args.row_tiles) * kRows64;
+  const SequenceSpan span = LoadSequence(p, seq);
+  const int heads = p.num_heads;
+  const int rows = span.rows * heads;
+  if (row0 >= rows) return;
+  const int32_t keys = span.keys();
+  const SplitTiles tiles = SplitRange(keys, args.partial.nsplit, args.min_split_keys, split);
+  if (tiles.begin == tiles.end) return;
+  const int num_tiles = tiles.end - tiles.begin;
+
+  if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 256);  // both WGs read every tile
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= 8) {
+    // ---- producer: every tile goes to both consumer warpgroups ----
+    sm90::DecreaseRegisters<24>();
+    if (warp == 8 && lane == 0) {
+      ProduceTiles<kRows64>(args, span, seq, row0, tiles, smem, Layout::kQ, full, empty, q_ready,
+                            &kv_map, &q_map);
+    }
+    __syncwarp();
+    // The producer warpgroup stays for the consumers' epilogue barriers, which count the
+    // whole block (so that every tool sees them as block-wide).
+    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+    return;
+  }
+
+  sm90::IncreaseRegisters<240>();
+  const int wg = warp / 4;
+  const int wg_warp = warp % 4;
+  const int quad = lane % 4;
+  const int tid = threadIdx.x % 128;
+  // This thread's rows of the tile (both warpgroups: the accumulator layout of m64nN).
+  const int r_lo = 16 * wg_warp + lane / 4;  // h = 0; h = 1 is r_lo + 8
+  uint8_t* probs = smem + Layout::kProbs;
+  float* alpha_smem = reinterpret_cast<float*>(smem + Layout::kAlpha);
+  float* handoff = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
+  const float scale = p.softmax_scale * 1.4426950408889634f;
+  const uint64_t* mask =
+      p.ancestor_mask + static_cast<int64_t>(span.row_begin) * kAncestorMaskWords;
+
+  // O[rows r_lo + 8h][dims 256 * wg + 8j + 2 * quad + e]: index 4j + 2h + e.
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_row[2] = {-INFINITY, -INFINITY};
+  float l_row[2] = {0.f, 0.f};  // this thread's share of the row sums (its keys)
+
+  sm90::MbarrierWait(q_ready, 0);
+  for (int i = 0; i < num_tiles; ++i) {
+    const int stage = i & 1;
+    uint8_t* stage_smem = smem + stage * kStageBytes;
+    sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
+    const int key0 = (tiles.begin + i) * kMlaKeyTile;
+    uint32_t p_frag[4][4];  // P as wgmma A fragments, one per k16 step (WG0)
+    float alpha[2];
+    if (wg == 0) {
+      const int valid = min(kMlaKeyTile, keys - key0);
+      if (valid < kMlaKeyTile) {
+        ZeroRowsFrom(stage_smem, valid, tid);
+        WarpgroupBarrier(0);
+      }
+      // S = Q * K^T.
+      float s[32];
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int c = 0; c < kWgmmaChunks; ++c) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint64_t a =
+              sm90::MakeSmemDescriptor(smem + Layout::kQ + c * kRows64 * 128 + k * 32, 16, 1024);
+          const uint64_t b =
+              sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
+          sm90::WgmmaM64N64<0, 0>::Run(s, a, b, (c | k) != 0);
+        }
+      }
+      sm90::WgmmaCommit();
+      sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(s);
+
+      // Scale, mask, online softmax: a row's 64 scores live in the 4 lanes of a quad.
+      const bool special = key0 + kMlaKeyTile > span.committed;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(row0 + r_lo + 8 * h, rows - 1);
+        const int node = row / heads;
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j + 2 * h + e];
+            x *= scale;
+            if (special) {
+              const int key = key0 + 8 * j + 2 * quad + e;
+              if (key >= keys || !KeyVisible(mask, span.committed, node, key)) x = -INFINITY;
+            }
+            tile_max = fmaxf(tile_max, x);
+          }
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float m_new = fmaxf(m_row[h], tile_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = exp2f(m_row[h] - m_use);
+        m_row[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * j + 2 * h + e];
+            x = exp2f(x - m_use);
+            sum += x;
+          }
+        }
+        l_row[h] = l_row[h] * alpha[h] + sum;
+      }
+      // P as A fragments: k16 step t covers keys 16t..16t+15 = accumulator columns j = 2t, 2t+1.
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        p_frag[t][0] = PackBf16(s[8 * t + 0], s[8 * t + 1]);
+        p_frag[t][1] = PackBf16(s[8 * t + 2], s[8 * t + 3]);
+        p_frag[t][2] = PackBf16(s[8 * t + 4], s[8 * t + 5]);
+        p_frag[t][3] = PackBf16(s[8 * t + 6], s[8 * t + 7]);
+      }
+      // Hand P and alpha to WG1 once it has finished with the previous tile's.
+      if (i > 0) sm90::NamedBarrier<kProbsFree, 256>();
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          *reinterpret_cast<uint32_t*>(probs + sm90::Swizzle128(r_lo + 8 * h, 8 * j + 2 * quad)) =
+              p_frag[j / 2][(j % 2) * 2 + h];
+        }
+      }
+      if (quad == 0) {
+        alpha_smem[r_lo] = alpha[0];
+        alpha_smem[r_lo + 8] = alpha[1];
+      }
+      sm90::FenceProxyAsync();
+      sm90::NamedBarrierArrive<kProbsReady, 256>();
+    } else {
+      sm90::NamedBarrier<kProbsReady, 256>();
+      alpha[0] = alpha_smem[r_lo];
+      alpha[1] = alpha_smem[r_lo + 8];
+    }
+
+    // O = alpha * O + P * V over this warpgroup's 256 dims (4 chunks of the key tile).
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[4 * j + 2 * h] *= alpha[h];
+        o[4 * j + 2 * h + 1] *= alpha[h];
+      }
+    }
+    // Each warpgroup's wgmma sequence sits wholly inside its own branch: a sequence that spans
+    // a branch makes ptxas serialize it.
+    uint8_t* v_smem = stage_smem + wg * 4 * kMlaKeyTile * 128;
+    if (wg == 0) {
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint64_t b = sm90::MakeSmemDescriptor(v_smem + t * 16 * 128, kMlaKeyTile * 128, 1024);
+        sm90::WgmmaM64N256RegA<1>::Run(o, p_frag[t], b, 1);
+      }
+      sm90::WgmmaCommit();
+      sm90::WgmmaWait<0>();
+    } else {
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint64_t a = sm90::MakeSmemDescriptor(probs + t * 32, 16, 1024);
+        const uint64_t b = sm90::MakeSmemDescriptor(v_smem + t * 16 * 128, kMlaKeyTile * 128, 1024);
+        sm90::WgmmaM64N256<0, 1>::Run(o, a, b, 1);
+      }
+      sm90::WgmmaCommit();
+      sm90::WgmmaWait<0>();
+    }
+    sm90::FenceRegisters(o);
+    if (wg == 1 && i + 1 < num_tiles) sm90::NamedBarrierArrive<kProbsFree, 256>();
+    sm90::MbarrierArrive(&empty[stage]);
+  }
+
+  // ---- epilogue: WG0 knows the row maxima and sums; both normalize and write their dims ----
+  if (wg == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
+      l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
+      if (quad == 0) {
+        handoff[r_lo + 8 * h] = m_row[h];
+        handoff[kRows64 + r_lo + 8 * h] = l_row[h];
+      }
+    }
+  }
+  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  const int valid_rows = min(kRows64, rows - row0);
+  const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    if (r >= valid_rows) continue;
+    const float m = handoff[r];
+    const float l = handoff[kRows64 + r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (args.direct_output) {
+      __nv_bfloat16* dst = p.out + (global_row0 + r) * kWgmmaLatent + 256 * wg;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * quad) =
+            PackBf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+    } else {
+      float* dst = args.partial.Out(seq, split, row0 + r) + 256 * wg;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j + 2 * quad) =
+            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      }
+    }
+    if (wg == 0 && quad == 0) {
+      const float lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      if (args.direct_output) {
+        p.lse[global_row0 + r] = lse;
+      } else {
+        args.partial.lse[args.partial.Index(seq, split, row0 + r)] = lse;
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a code: the planner never picks this kernel then
+#endif
+}
+
+}  // namespace treeverify::kernels::cuda::mla

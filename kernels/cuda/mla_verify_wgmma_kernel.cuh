@@ -1,0 +1,457 @@
+// The sm_90a MLA verify kernel: 512 latent + 64 rope dims, tensor cores through wgmma, keys
+// streamed by TMA.
+//
+// Shape of the work. A block owns one row tile (kRows packed (node, head) rows of one sequence,
+// all sharing the sequence's KV) and one split of the sequence's keys. It computes the scores
+// transposed, S^T[64 keys x kRows] = K[64 x 576] * Q^T, so the rows are wgmma's N dimension
+// (multiples of 8: 8 or 72 rows waste nothing, where a 64-row M tile would be mostly padding at
+// TP8's 8 heads), and the output transposed, O^T[512 x kRows] += V^T[512 x 64] * P^T, with V^T
+// read straight from the key tile (the first 512 dims of each latent row) as an MN-major operand.
+//
+// Roles. Warp 8 (the first of warpgroup 2, which gives its registers to the consumers) is the
+// producer: it loads the row tile's queries once, then the split's 64-key
+// tiles into two stages, a tile per TMA box group of min(64, page_size) keys (pages in any
+// order). Warpgroups 0 and 1 are consumers that take the tiles in turn (tile i goes to
+// warpgroup i % 2, in stage i % 2), each with its own online softmax and accumulators; at the
+// end warpgroup 1 hands its (max, sum, O) to warpgroup 0 through shared memory, which merges
+// them and writes either the final output (one split) or the split's partial result.
+//
+// Masks. Only tiles that reach past the committed prefix look at ancestor bitmasks; keys past the
+// sequence's end score -inf, and their rows in shared memory are zeroed so that stale or
+// uninitialized bytes (NaN patterns) never meet a zero probability in the P*V product.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "mla_verify_common.cuh"
+#include "sm90_primitives.cuh"
+
+namespace treeverify::kernels::cuda::mla {
+
+inline constexpr int kWgmmaLatent = 512;
+inline constexpr int kWgmmaRope = 64;
+inline constexpr int kWgmmaChunks = (kWgmmaLatent + kWgmmaRope) / 64;  // 64-dim chunks per row
+inline constexpr int kWgmmaThreads = 384;  // consumer WGs 0 and 1, producer WG 2
+inline constexpr int kStageBytes = kWgmmaChunks * kMlaKeyTile * 128;  // 73728
+inline constexpr int kOutStride = kWgmmaLatent + 4;                   // staging row, in floats
+inline constexpr int kEpilogueBarrier = 3;  // named barrier of the epilogue (all threads)
+
+template <int kRows>
+struct WgmmaSmem {
+  static constexpr int kQ = 2 * kStageBytes;
+  static constexpr int kProbs = kQ + kWgmmaChunks * kRows * 128;  // P^T per consumer WG
+  static constexpr int kReduce = kProbs + 2 * kRows * 128;        // [WG][warp][row] floats
+  static constexpr int kHandoff = kReduce + 2 * 4 * kRows * 4;    // WG1's (max, sum) per row
+  static constexpr int kLse = kHandoff + 2 * kRows * 4;
+  static constexpr int kBarriers = kLse + kRows * 4;  // full[2], empty[2], q
+  static constexpr int kEnd = kBarriers + 5 * 8;
+  static constexpr int kBytes = kEnd + 1024;  // slack to align the base to 1024
+  static_assert(kRows * kOutStride * 4 <= kStageBytes, "output staging must fit in a stage");
+  static_assert((kWgmmaLatent / 64) * (kRows / 2) * 128 * 4 <= kStageBytes,
+                "WG1's accumulators must fit in a stage");
+};
+
+struct WgmmaArgs {
+  MlaVerifyParamsBf16 p;
+  PartialLayout partial;
+  int32_t min_split_keys;
+  int32_t row_tiles;
+  int32_t box_rows;  // keys per TMA box: divides both 64 and the page size
+  bool direct_output;
+};
+
+// Barrier of one consumer warpgroup (ids 1 and 2).
+__device__ inline void WarpgroupBarrier(int wg) {
+  if (wg == 0) {
+    sm90::NamedBarrier<1, 128>();
+  } else {
+    sm90::NamedBarrier<2, 128>();
+  }
+}
+
+// The producer (one thread): the row tile's queries once, then the split's key tiles into the two
+// stages, tile i into stage i % 2 once the consumers released its previous tile; a tile is loaded
+// in TMA boxes of args.box_rows keys (each inside one page), 9 boxes of 64 dims per key group.
+template <int kRows>
+__device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& span, int seq,
+                                    int row0, SplitTiles tiles, uint8_t* smem, int q_offset,
+                                    uint64_t* full, uint64_t* empty, uint64_t* q_ready,
+                                    const CUtensorMap* kv_map, const CUtensorMap* q_map) {
+  const MlaVerifyParamsBf16& p = args.p;
+  sm90::PrefetchTensorMap(kv_map);
+  sm90::PrefetchTensorMap(q_map);
+  sm90::MbarrierArriveExpectTx(q_ready, kWgmmaChunks * kRows * 128);
+  const int q_row = span.row_begin * p.num_heads + row0;
+  for (int c = 0; c < kWgmmaChunks; ++c) {
+    sm90::TmaLoad2d(smem + q_offset + c * kRows * 128, q_map, c * 64, q_row, q_ready);
+  }
+  const int32_t keys = span.keys();
+  const int32_t* page_table = p.page_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
+  // Page ids of a tile's boxes (at most 64 / 8), read one tile ahead so that the page-table load
+  // latency overlaps the wait for a free stage instead of delaying the copy.
+  constexpr int kMaxBoxes = kMlaKeyTile / 8;
+  auto load_pages = [&](int tile, int32_t(&pages)[kMaxBoxes]) {
+    const int key0 = tile * kMlaKeyTile;
+#pragma unroll
+    for (int b = 0; b < kMaxBoxes; ++b) {
+      const int key = key0 + b * args.box_rows;
+      pages[b] = b * args.box_rows < kMlaKeyTile && key < keys ? page_table[key / p.page_size] : 0;
+    }
+  };
+  int32_t pages[kMaxBoxes];
+  int32_t next_pages[kMaxBoxes];
+  load_pages(tiles.begin, next_pages);
+  for (int i = 0; i < tiles.end - tiles.begin; ++i) {
+#pragma unroll
+    for (int b = 0; b < kMaxBoxes; ++b) pages[b] = next_pages[b];
+    if (tiles.begin + i + 1 < tiles.end) load_pages(tiles.begin + i + 1, next_pages);
+    const int stage = i & 1;
+    if (i >= 2) sm90::MbarrierWait(&empty[stage], ((i >> 1) - 1) & 1);
+    const int key0 = (tiles.begin + i) * kMlaKeyTile;
+    const int valid = min(kMlaKeyTile, keys - key0);
+    const int boxes = CeilDiv(valid, args.box_rows);
+    sm90::MbarrierArriveExpectTx(&full[stage], boxes * args.box_rows * 128 * kWgmmaChunks);
+    uint8_t* stage_smem = smem + stage * kStageBytes;
+#pragma unroll
+    for (int b = 0; b < kMaxBoxes; ++b) {
+      if (b >= boxes) break;
+      const int key = key0 + b * args.box_rows;
+      const int y = pages[b] * p.page_size + key % p.page_size;
+      for (int c = 0; c < kWgmmaChunks; ++c) {
+        sm90::TmaLoad2d(stage_smem + c * kMlaKeyTile * 128 + b * args.box_rows * 128, kv_map,
+                        c * 64, y, &full[stage]);
+      }
+    }
+  }
+}
+
+// full[0..1] (one producer arrival plus bytes), empty[0..1] = full + 2 (`consumers` arrivals)
+// and q_ready, then makes them visible to the async proxy.
+__device__ inline void InitStageBarriers(uint64_t* full, uint64_t* q_ready, int consumers) {
+  for (int s = 0; s < 2; ++s) {
+    sm90::MbarrierInit(&full[s], 1);
+    sm90::MbarrierInit(&full[2 + s], consumers);
+  }
+  sm90::MbarrierInit(q_ready, 1);
+  sm90::FenceBarrierInit();
+}
+
+// Zeroes key rows valid..63 of a stage in every chunk (whole rows: swizzle-agnostic), by the 128
+// threads of one warpgroup, and orders the stores before wgmma reads them; the caller then
+// synchronizes the warpgroup.
+__device__ inline void ZeroRowsFrom(uint8_t* stage_smem, int valid, int tid) {
+  const int units = (kMlaKeyTile - valid) * 8;  // 16-byte units per chunk
+  for (int u = tid; u < units * kWgmmaChunks; u += 128) {
+    reinterpret_cast<uint4*>(stage_smem + (u / units) * kMlaKeyTile * 128 +
+                             valid * 128)[u % units] = make_uint4(0, 0, 0, 0);
+  }
+  sm90::FenceProxyAsync();
+}
+
+template <int kRows>
+__global__ void __launch_bounds__(kWgmmaThreads, 1)
+    MlaVerifyWgmmaKernel(const __grid_constant__ WgmmaArgs args,
+                         const __grid_constant__ CUtensorMap kv_map,
+                         const __grid_constant__ CUtensorMap q_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = WgmmaSmem<kRows>;
+  constexpr int kColsPerThread = kRows / 4;  // accumulator columns (packed rows) a thread holds
+  constexpr int kAcc = kRows / 2;            // fp32 accumulators per thread per m64 block
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
+  uint64_t* empty = full + 2;
+  uint64_t* q_ready = full + 4;
+
+  const MlaVerifyParamsBf16& p = args.p;
+  const int seq = blockIdx.y;
+  const int split = blockIdx.x / args.row_tiles;
+  const int row0 = (blockIdx.x % args.row_tiles) * kRows;
+  const SequenceSpan span = LoadSequence(p, seq);
+  const int heads = p.num_heads;
+  const int rows = span.rows * heads;  // packed rows of the sequence
+  if (row0 >= rows) return;
+  const int32_t keys = span.keys();
+  const SplitTiles tiles = SplitRange(keys, args.partial.nsplit, args.min_split_keys, split);
+  if (tiles.begin == tiles.end) return;
+  const int num_tiles = tiles.end - tiles.begin;
+
+  if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 128);  // one WG reads a tile
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= 8) {
+    // ---- producer ----
+    sm90::DecreaseRegisters<40>();
+    if (warp == 8 && lane == 0) {
+      ProduceTiles<kRows>(args, span, seq, row0, tiles, smem, Layout::kQ, full, empty, q_ready,
+                          &kv_map, &q_map);
+    }
+    __syncwarp();
+    // The producer warpgroup stays for the epilogue's block-wide barriers.
+    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+    return;
+  }
+
+  // ---- consumers ----
+  sm90::IncreaseRegisters<232>();
+  const int wg = warp / 4;       // which consumer warpgroup
+  const int wg_warp = warp % 4;  // warp within it: keys 16 * wg_warp .. + 15 of a tile
+  const int tid = threadIdx.x % 128;
+  const int quad = lane % 4;
+  uint8_t* stage_smem = smem + wg * kStageBytes;
+  const uint8_t* q_smem = smem + Layout::kQ;
+  uint8_t* probs = smem + Layout::kProbs + wg * kRows * 128;
+  float* reduce = reinterpret_cast<float*>(smem + Layout::kReduce) + wg * 4 * kRows;
+  const float scale = p.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
+  const uint64_t* mask =
+      p.ancestor_mask + static_cast<int64_t>(span.row_begin) * kAncestorMaskWords;
+
+  // Accumulator element (j, h, e) of a thread: key 16 * wg_warp + lane / 4 + 8 * h of the tile,
+  // packed row 8 * j + 2 * quad + e of the row tile; register index 4 * j + 2 * h + e.
+  float o[kWgmmaLatent / 64][kAcc];
+  float s[kAcc];
+  float m_col[kColsPerThread];
+  float l_col[kColsPerThread];
+#pragma unroll
+  for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) o[mb][i] = 0.f;
+  }
+#pragma unroll
+  for (int c = 0; c < kColsPerThread; ++c) {
+    m_col[c] = -INFINITY;
+    l_col[c] = 0.f;
+  }
+
+  sm90::MbarrierWait(q_ready, 0);
+  for (int i = wg; i < num_tiles; i += 2) {
+    sm90::MbarrierWait(&full[wg], (i >> 1) & 1);
+    const int key0 = (tiles.begin + i) * kMlaKeyTile;
+    const int valid = min(kMlaKeyTile, keys - key0);
+    if (valid < kMlaKeyTile) {
+      ZeroRowsFrom(stage_smem, valid, tid);
+      WarpgroupBarrier(wg);
+    }
+
+    // S^T = K * Q^T over 36 k16 steps.
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int c = 0; c < kWgmmaChunks; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t a =
+            sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
+        const uint64_t b = sm90::MakeSmemDescriptor(q_smem + c * kRows * 128 + k * 32, 16, 1024);
+        sm90::Wgmma<kRows, 0>::Run(s, a, b, (c | k) != 0);
+      }
+    }
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(s);
+
+    // Scale, mask, and the tile's max per packed row.
+    const int key_a = key0 + 16 * wg_warp + lane / 4;  // h = 0; h = 1 is key_a + 8
+    const bool special = key0 + kMlaKeyTile > span.committed;
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * j + 2 * h + e];
+          x *= scale;
+          if (special) {
+            const int key = key_a + 8 * h;
+            const int row = row0 + 8 * j + 2 * quad + e;
+            const int node = min(row, rows - 1) / heads;
+            if (key >= keys || !KeyVisible(mask, span.committed, node, key)) x = -INFINITY;
+          }
+        }
+      }
+    }
+    float alpha[kColsPerThread];
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+        if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
+      }
+    }
+    WarpgroupBarrier(wg);
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        const int ci = 2 * j + e;
+        float tile_max = reduce[col];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) tile_max = fmaxf(tile_max, reduce[w * kRows + col]);
+        const float m_new = fmaxf(m_col[ci], tile_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[ci] = exp2f(m_col[ci] - m_use);
+        m_col[ci] = m_new;
+        const float p0 = exp2f(s[4 * j + e] - m_use);
+        const float p1 = exp2f(s[4 * j + 2 + e] - m_use);
+        l_col[ci] = l_col[ci] * alpha[ci] + p0 + p1;
+        const int key_in_tile = 16 * wg_warp + lane / 4;
+        *reinterpret_cast<__nv_bfloat16*>(probs + sm90::Swizzle128(col, key_in_tile)) =
+            __float2bfloat16(p0);
+        *reinterpret_cast<__nv_bfloat16*>(probs + sm90::Swizzle128(col, key_in_tile + 8)) =
+            __float2bfloat16(p1);
+      }
+    }
+    sm90::FenceProxyAsync();
+    WarpgroupBarrier(wg);
+
+    // O^T = alpha * O^T + V^T * P^T.
+#pragma unroll
+    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+#pragma unroll
+      for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) o[mb][4 * j + 2 * h + e] *= alpha[2 * j + e];
+        }
+      }
+    }
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t a = sm90::MakeSmemDescriptor(
+            stage_smem + mb * kMlaKeyTile * 128 + k * 16 * 128, kMlaKeyTile * 128, 1024);
+        const uint64_t b = sm90::MakeSmemDescriptor(probs + k * 32, 16, 1024);
+        sm90::Wgmma<kRows, 1>::Run(o[mb], a, b, 1);
+      }
+    }
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+#pragma unroll
+    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) sm90::FenceRegisters(o[mb]);
+    sm90::MbarrierArrive(&empty[wg]);
+  }
+
+  // ---- epilogue: total sums, warpgroup merge, output ----
+  float l_total[kColsPerThread];
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = l_col[2 * j + e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
+    }
+  }
+  WarpgroupBarrier(wg);
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j + 2 * quad + e;
+      l_total[2 * j + e] =
+          reduce[col] + reduce[kRows + col] + reduce[2 * kRows + col] + reduce[3 * kRows + col];
+    }
+  }
+  float* handoff = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
+  float* handoff_o = reinterpret_cast<float*>(smem + kStageBytes);     // WG1's accumulators
+  if (wg == 1) {
+    if (wg_warp == 0 && lane < 4) {
+#pragma unroll
+      for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          handoff[8 * j + 2 * quad + e] = m_col[2 * j + e];
+          handoff[kRows + 8 * j + 2 * quad + e] = l_total[2 * j + e];
+        }
+      }
+    }
+#pragma unroll
+    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) handoff_o[(mb * kAcc + i) * 128 + tid] = o[mb][i];
+    }
+  }
+  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  float* staging = reinterpret_cast<float*>(smem);  // [row][kOutStride], in stage 0
+  float* lse_out = reinterpret_cast<float*>(smem + Layout::kLse);
+  if (wg == 0) {
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        const int ci = 2 * j + e;
+        const float m1 = handoff[col];
+        const float l1 = handoff[kRows + col];
+        const float m = fmaxf(m_col[ci], m1);
+        const float m_use = m == -INFINITY ? 0.f : m;
+        const float a0 = exp2f(m_col[ci] - m_use);
+        const float a1 = exp2f(m1 - m_use);
+        const float l = a0 * l_total[ci] + a1 * l1;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 4 * j + 2 * h + e;
+            const float merged =
+                (a0 * o[mb][i] + a1 * handoff_o[(mb * kAcc + i) * 128 + tid]) * inv;
+            staging[col * kOutStride + mb * 64 + 16 * wg_warp + lane / 4 + 8 * h] = merged;
+          }
+        }
+        if (wg_warp == 0 && lane < 4) {
+          lse_out[col] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        }
+      }
+    }
+  }
+  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  const int valid_rows = min(kRows, rows - row0);
+  const int ctid = threadIdx.x;  // 0..255
+  const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
+  if (args.direct_output) {
+    // 8 dims (16 bytes) per store.
+    for (int u = ctid; u < valid_rows * (kWgmmaLatent / 8); u += 256) {
+      const int r = u / (kWgmmaLatent / 8);
+      const int d = (u % (kWgmmaLatent / 8)) * 8;
+      const float* src = staging + r * kOutStride + d;
+      __nv_bfloat162 packed[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) packed[k] = __floats2bfloat162_rn(src[2 * k], src[2 * k + 1]);
+      *reinterpret_cast<uint4*>(p.out + (global_row0 + r) * kWgmmaLatent + d) =
+          *reinterpret_cast<const uint4*>(packed);
+    }
+    if (ctid < valid_rows) p.lse[global_row0 + ctid] = lse_out[ctid];
+  } else {
+    for (int u = ctid; u < valid_rows * (kWgmmaLatent / 4); u += 256) {
+      const int r = u / (kWgmmaLatent / 4);
+      const int d = (u % (kWgmmaLatent / 4)) * 4;
+      *reinterpret_cast<float4*>(args.partial.Out(seq, split, row0 + r) + d) =
+          *reinterpret_cast<const float4*>(staging + r * kOutStride + d);
+    }
+    if (ctid < valid_rows) {
+      args.partial.lse[args.partial.Index(seq, split, row0 + ctid)] = lse_out[ctid];
+    }
+  }
+#else
+  __trap();  // built without sm_90a code: the planner never picks this kernel then
+#endif
+}
+
+}  // namespace treeverify::kernels::cuda::mla

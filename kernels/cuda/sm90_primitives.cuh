@@ -1,0 +1,205 @@
+// Hopper (sm_90a) building blocks in inline PTX: mbarriers, TMA tile loads, wgmma with shared
+// memory descriptors. Only compiled into device code for sm_90a (guarded by the callers).
+//
+// Shared-memory layout used throughout: "128-byte swizzle", the layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with swizzle mode 1. A tile is stored as rows of
+// 128 bytes (64 bf16); within each group of 8 rows (1024 bytes, 1024-aligned) the 16-byte unit u
+// of row r sits at unit u ^ (r % 8).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace treeverify::kernels::cuda::sm90 {
+
+__device__ inline uint32_t SmemAddress(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Byte offset of element `col` (bf16) of row `row` in a 128-byte-swizzled tile.
+__host__ __device__ constexpr uint32_t Swizzle128(uint32_t row, uint32_t col) {
+  return row * 128u + ((((col * 2u) >> 4) ^ (row & 7u)) << 4) + ((col * 2u) & 15u);
+}
+
+// ---- mbarrier -------------------------------------------------------------------------------
+
+__device__ inline void MbarrierInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)), "r"(count));
+}
+
+__device__ inline void FenceBarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ inline void MbarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ inline void MbarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddress(bar)) : "memory");
+}
+
+__device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_loop:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_loop;\n"
+      "}\n" ::"r"(SmemAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// ---- TMA ------------------------------------------------------------------------------------
+
+// Loads the box at (x = column, y = row) of a 2D tensor map into shared memory; the mbarrier
+// counts the bytes as they land.
+__device__ inline void TmaLoad2d(void* smem_dst, const CUtensorMap* map, int32_t x, int32_t y,
+                                 uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(SmemAddress(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(SmemAddress(bar))
+      : "memory");
+}
+
+__device__ inline void PrefetchTensorMap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (wgmma, TMA) reads.
+__device__ inline void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// A barrier among kThreads threads (a multiple of 32) of the block; ids 1..15 (0 is
+// __syncthreads). bar.sync is the .aligned form: every participating thread executes this same
+// instruction, converged, which lets the compiler keep wgmma sequences after it unserialized.
+template <int kId, int kThreads>
+__device__ inline void NamedBarrier() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// The same for threads that reach the barrier from different places in the code (the roles of a
+// warp-specialized kernel meeting in its epilogue), which the .aligned form forbids.
+template <int kId, int kThreads>
+__device__ inline void NamedBarrierFromAnywhere() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
+  asm volatile("barrier.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// ---- register budget per warpgroup ----
+
+// Hands registers back (producer warpgroups) or takes them (consumers); all warps of a warpgroup
+// execute the same one. Needs a register cap at kernel entry (__launch_bounds__(threads, 1)).
+template <int kRegisters>
+__device__ inline void IncreaseRegisters() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ inline void DecreaseRegisters() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+}
+
+// Signals a named barrier without waiting (the producer side of a producer-consumer pair; the
+// consumer side calls NamedBarrier with the same id and count).
+template <int kId, int kThreads>
+__device__ inline void NamedBarrierArrive() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// ---- wgmma ----------------------------------------------------------------------------------
+
+// Shared-memory matrix descriptor with 128-byte swizzle. For a K-major operand (rows of 64
+// contraction elements) `stride_bytes` is the distance between groups of 8 rows; for an MN-major
+// operand (rows of 64 M or N elements, one row per contraction index) it is the distance between
+// groups of 8 contraction rows, and `leading_bytes` the distance between 64-element column blocks.
+__device__ inline uint64_t MakeSmemDescriptor(const void* smem, uint32_t leading_bytes,
+                                              uint32_t stride_bytes) {
+  const uint64_t address = SmemAddress(smem);
+  return ((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ inline void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ inline void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ inline void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across an async wgmma.
+template <int kCount>
+__device__ inline void FenceRegisters(float (&d)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], bf16 operands from shared memory, fp32 accumulators.
+// kTransposeA: A is MN-major (its 64 M elements contiguous per contraction index).
+template <int kN, int kTransposeA>
+struct Wgmma;
+
+template <int kTransposeA>
+struct Wgmma<8, kTransposeA> {
+  __device__ static void Run(float (&d)[4], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3}, %4, %5, p, 1, 1, %7, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA));
+  }
+};
+
+template <int kTransposeA>
+struct Wgmma<16, kTransposeA> {
+  __device__ static void Run(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA));
+  }
+};
+
+template <int kTransposeA>
+struct Wgmma<24, kTransposeA> {
+  __device__ static void Run(float (&d)[12], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p, 1, 1, %15, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA));
+  }
+};
+
+template <int kTransposeA>
+struct Wgmma<32, kTransposeA> {
+  __device__ static void Run(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, %19, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA));
+  }
+};
+
+}  // namespace treeverify::kernels::cuda::sm90

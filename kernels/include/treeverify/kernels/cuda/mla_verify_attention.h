@@ -1,0 +1,88 @@
+// MLA tree-verify attention on the GPU: the CPU backend's params struct with bf16 device buffers,
+// a planner that picks the kernel, the row tile and the split count (NSPLIT) from the launch
+// shape, and a launcher that CUDA-graph capture can record once per shape.
+//
+//   MlaVerifyShape shape{.num_seqs = 1, .max_rows_per_seq = 9, .row_capacity = 9,
+//                        .num_heads = 8, .latent_dim = 512, .rope_dim = 64, .page_size = 64};
+//   absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
+//   DeviceWorkspace workspace(plan->workspace_bytes);            // once, for the largest plan
+//   MlaVerifyAttention(params, shape, *plan, workspace.get(), stream);
+//
+// The plan depends on the shape only, never on the context lengths (they live on the device):
+// each block derives its key range from committed_lengths, so one captured launch serves every
+// step of a growing context. Key ranges are whole 64-key tiles; a sequence with T keys (prefix
+// plus its own tree nodes) has min(NSPLIT, T / min_split_keys) splits, at least one, whose
+// partial results a second kernel merges by log-sum-exp (skipped when NSPLIT is 1).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "treeverify/kernels/cuda/device.h"
+#include "treeverify/kernels/mla_verify_attention.h"
+
+namespace treeverify::kernels::cuda {
+
+using MlaVerifyParamsBf16 = MlaVerifyParams<__nv_bfloat16>;
+
+// Keys per tile: the unit of split ranges, of loads and of the tree mask.
+inline constexpr int kMlaKeyTile = 64;
+
+// What a launch looks like, known on the host before the lengths are: a CUDA graph is captured
+// per shape.
+struct MlaVerifyShape {
+  int32_t num_seqs = 0;
+  int32_t max_rows_per_seq = 0;  // tree tokens of the largest segment (row_offsets gaps)
+  int32_t row_capacity = 0;      // rows the q / out buffers hold (>= row_offsets[num_seqs])
+  int32_t num_heads = 0;
+  int32_t latent_dim = 0;
+  int32_t rope_dim = 0;
+  int32_t page_size = 0;
+};
+
+enum class MlaVerifyKernel {
+  kAuto,         // (options only) let the planner choose
+  kWgmmaNarrow,  // sm_90a, 512 + 64 dims: row tiles of 8..32 packed rows as wgmma's N
+  kWgmmaWide,    // sm_90a, 512 + 64 dims: 64-row tiles, two warpgroups split the value dims
+  kSimt,         // any GPU, any dims: one block per (row, split), CUDA cores
+};
+const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
+
+struct MlaVerifyOptions {
+  int32_t min_split_keys = 128;  // a split never covers fewer keys (unless T is smaller)
+  int32_t forced_nsplit = 0;     // > 0: use this NSPLIT (benchmarks sweep it)
+  // kAuto: narrow row tiles up to 32 packed rows per sequence, wide ones above; kSimt where wgmma
+  // cannot run. Anything else forces that kernel (benchmarks, tests); kSimt always runs.
+  MlaVerifyKernel kernel = MlaVerifyKernel::kAuto;
+};
+
+// The planner's choice, reported to metrics.
+struct MlaVerifyPlan {
+  MlaVerifyKernel kernel = MlaVerifyKernel::kSimt;
+  int32_t row_tile = 1;  // packed (node, head) rows per block
+  int32_t row_tiles = 1;
+  int32_t nsplit = 1;
+  int32_t blocks = 0;         // of the split kernel
+  int32_t blocks_per_sm = 0;  // occupancy API
+  double waves = 0;           // blocks / (multiprocessors * blocks_per_sm)
+  int32_t min_split_keys = 0;
+  int64_t smem_bytes = 0;
+  int64_t workspace_bytes = 0;  // partial outputs and log-sum-exps; 0 when nsplit == 1
+  std::string ToString() const;
+};
+
+absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
+                                            const MlaVerifyOptions& options);
+
+// Runs the plan on `stream`. `workspace` holds at least plan.workspace_bytes (256-byte aligned).
+// Invalid shapes are INVALID_ARGUMENT; the device-side inputs (lengths, page table, masks) are
+// trusted as the CPU backend validates them: a page index outside the cache reads zeros.
+absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& params, const MlaVerifyShape& shape,
+                                const MlaVerifyPlan& plan, void* workspace, cudaStream_t stream);
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,481 @@
+// GPU MLA tree-verify attention against the CPU backend (the oracle): random queries and keys
+// (never zeros), random trees, contexts that are not a multiple of the page size, pages permuted
+// over a pool whose unused slots hold NaN, batches of sequences of different lengths and tree
+// sizes, H in {1, 3, 8, 16, 128}; both kernels, forced and planned NSPLIT; CUDA-graph replay.
+#include "treeverify/kernels/cuda/mla_verify_attention.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda_test_base.h"
+#include "gtest/gtest.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+float RoundToBf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+std::vector<__nv_bfloat16> ToBf16(const std::vector<float>& values) {
+  std::vector<__nv_bfloat16> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = __float2bfloat16(values[i]);
+  return out;
+}
+
+// A batch: per sequence a committed length and a tree (parents[i] < i, parents[0] = -1).
+struct BatchSpec {
+  int heads = 8;
+  int latent = 512;
+  int rope = 64;
+  int page_size = 64;
+  std::vector<int32_t> committed;
+  std::vector<std::vector<int32_t>> parents;
+};
+
+std::vector<int32_t> RandomTree(int nodes, std::mt19937& rng) {
+  std::vector<int32_t> parents(nodes, -1);
+  for (int i = 1; i < nodes; ++i) parents[i] = std::uniform_int_distribution<int>(0, i - 1)(rng);
+  return parents;
+}
+
+// Host data in the layout the params struct describes, bf16-exact floats for the CPU oracle.
+class Problem {
+ public:
+  Problem(const BatchSpec& spec, std::mt19937& rng) : spec_(spec) {
+    const int seqs = static_cast<int>(spec.committed.size());
+    const int dims = spec.latent + spec.rope;
+    row_offsets_.push_back(0);
+    for (int b = 0; b < seqs; ++b) {
+      row_offsets_.push_back(row_offsets_.back() + static_cast<int32_t>(spec.parents[b].size()));
+      const int32_t keys = spec.committed[b] + static_cast<int32_t>(spec.parents[b].size());
+      max_pages_ = std::max(max_pages_, (keys + spec.page_size - 1) / spec.page_size);
+      max_rows_ = std::max(max_rows_, static_cast<int32_t>(spec.parents[b].size()));
+    }
+    // Pages of all sequences plus a few spare ones, handed out in a random order.
+    num_pages_ = seqs * max_pages_ + 3;
+    std::vector<int32_t> pool(num_pages_);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    page_table_.assign(static_cast<size_t>(seqs) * max_pages_, -1);
+    int next = 0;
+    for (int b = 0; b < seqs; ++b) {
+      const int32_t keys = spec.committed[b] + static_cast<int32_t>(spec.parents[b].size());
+      for (int pg = 0; pg < (keys + spec.page_size - 1) / spec.page_size; ++pg) {
+        page_table_[b * max_pages_ + pg] = pool[next++];
+      }
+    }
+    // Every slot no sequence owns holds NaN: a kernel that lets one through fails.
+    cache_.assign(static_cast<size_t>(num_pages_) * spec.page_size * dims, NAN);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (int b = 0; b < seqs; ++b) {
+      const int32_t keys = spec.committed[b] + static_cast<int32_t>(spec.parents[b].size());
+      for (int32_t k = 0; k < keys; ++k) {
+        const int64_t slot =
+            int64_t{page_table_[b * max_pages_ + k / spec.page_size]} * spec.page_size +
+            k % spec.page_size;
+        for (int d = 0; d < dims; ++d) cache_[slot * dims + d] = RoundToBf16(normal(rng));
+      }
+    }
+    const int64_t rows = row_offsets_.back();
+    q_.resize(static_cast<size_t>(rows) * spec.heads * dims);
+    for (float& v : q_) v = RoundToBf16(normal(rng));
+    masks_.assign(static_cast<size_t>(rows) * kAncestorMaskWords, 0);
+    for (int b = 0; b < seqs; ++b) {
+      const std::vector<int32_t>& parents = spec.parents[b];
+      for (size_t i = 0; i < parents.size(); ++i) {
+        for (int32_t a = static_cast<int32_t>(i); a >= 0; a = parents[a]) {
+          masks_[(row_offsets_[b] + i) * kAncestorMaskWords + a / 64] |= uint64_t{1} << (a % 64);
+        }
+      }
+    }
+    scale_ = 1.f / std::sqrt(192.f);
+  }
+
+  MlaVerifyShape Shape() const {
+    return {.num_seqs = static_cast<int32_t>(spec_.committed.size()),
+            .max_rows_per_seq = max_rows_,
+            .row_capacity = row_offsets_.back(),
+            .num_heads = spec_.heads,
+            .latent_dim = spec_.latent,
+            .rope_dim = spec_.rope,
+            .page_size = spec_.page_size};
+  }
+  int64_t OutputSize() const { return int64_t{row_offsets_.back()} * spec_.heads * spec_.latent; }
+  int64_t LseSize() const { return int64_t{row_offsets_.back()} * spec_.heads; }
+
+  void RunCpu(std::vector<float>& out, std::vector<float>& lse) const {
+    out.assign(OutputSize(), 0.f);
+    lse.assign(LseSize(), 0.f);
+    MlaVerifyParams<float> p;
+    p.q = q_.data();
+    p.kv_cache = cache_.data();
+    p.page_table = page_table_.data();
+    p.committed_lengths = spec_.committed.data();
+    p.row_offsets = row_offsets_.data();
+    p.ancestor_mask = masks_.data();
+    p.out = out.data();
+    p.lse = lse.data();
+    FillDims(p);
+    ASSERT_TRUE(cpu::MlaVerifyAttention(p).ok());
+  }
+
+  template <typename Element>
+  void FillDims(MlaVerifyParams<Element>& p) const {
+    p.num_seqs = static_cast<int32_t>(spec_.committed.size());
+    p.num_heads = spec_.heads;
+    p.latent_dim = spec_.latent;
+    p.rope_dim = spec_.rope;
+    p.page_size = spec_.page_size;
+    p.max_pages_per_seq = max_pages_;
+    p.num_pages = num_pages_;
+    p.softmax_scale = scale_;
+  }
+
+  const BatchSpec& spec() const { return spec_; }
+  const std::vector<float>& q() const { return q_; }
+  const std::vector<float>& cache() const { return cache_; }
+  const std::vector<int32_t>& page_table() const { return page_table_; }
+  const std::vector<int32_t>& row_offsets() const { return row_offsets_; }
+  const std::vector<uint64_t>& masks() const { return masks_; }
+
+ private:
+  BatchSpec spec_;
+  int32_t max_pages_ = 1;
+  int32_t max_rows_ = 1;
+  int32_t num_pages_ = 0;
+  float scale_ = 1.f;
+  std::vector<int32_t> row_offsets_;
+  std::vector<int32_t> page_table_;
+  std::vector<float> cache_;
+  std::vector<float> q_;
+  std::vector<uint64_t> masks_;
+};
+
+// The problem's buffers on the device, and a way to run the GPU op on them.
+class DeviceProblem {
+ public:
+  explicit DeviceProblem(const Problem& problem)
+      : problem_(problem),
+        q_(problem.q().size()),
+        cache_(problem.cache().size()),
+        page_table_(problem.page_table().size()),
+        committed_(problem.spec().committed.size()),
+        row_offsets_(problem.row_offsets().size()),
+        masks_(problem.masks().size()),
+        out_(problem.OutputSize()),
+        lse_(problem.LseSize()) {
+    q_.CopyFrom(ToBf16(problem.q()));
+    cache_.CopyFrom(ToBf16(problem.cache()));
+    page_table_.CopyFrom(problem.page_table());
+    committed_.CopyFrom(problem.spec().committed);
+    row_offsets_.CopyFrom(problem.row_offsets());
+    masks_.CopyFrom(problem.masks());
+  }
+
+  MlaVerifyParamsBf16 Params() const {
+    MlaVerifyParamsBf16 p;
+    p.q = q_.get();
+    p.kv_cache = cache_.get();
+    p.page_table = page_table_.get();
+    p.committed_lengths = committed_.get();
+    p.row_offsets = row_offsets_.get();
+    p.ancestor_mask = masks_.get();
+    p.out = out_.get();
+    p.lse = lse_.get();
+    problem_.FillDims(p);
+    return p;
+  }
+
+  // NaN in every output byte, so an unwritten element cannot pass.
+  void Poison() {
+    ASSERT_EQ(cudaMemset(out_.get(), 0xFF, problem_.OutputSize() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemset(lse_.get(), 0xFF, problem_.LseSize() * 4), cudaSuccess);
+  }
+
+  void Fetch(std::vector<float>& out, std::vector<float>& lse) const {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<__nv_bfloat16> raw = out_.ToHost();
+    out.resize(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) out[i] = __bfloat162float(raw[i]);
+    lse = lse_.ToHost();
+  }
+
+  std::vector<uint8_t> Bytes() const {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> bytes(problem_.OutputSize() * 2 + problem_.LseSize() * 4);
+    EXPECT_EQ(
+        cudaMemcpy(bytes.data(), out_.get(), problem_.OutputSize() * 2, cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(bytes.data() + problem_.OutputSize() * 2, lse_.get(),
+                         problem_.LseSize() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return bytes;
+  }
+
+  int32_t* committed() { return committed_.get(); }
+
+ private:
+  const Problem& problem_;
+  DeviceBuffer<__nv_bfloat16> q_;
+  DeviceBuffer<__nv_bfloat16> cache_;
+  DeviceBuffer<int32_t> page_table_;
+  DeviceBuffer<int32_t> committed_;
+  DeviceBuffer<int32_t> row_offsets_;
+  DeviceBuffer<uint64_t> masks_;
+  DeviceBuffer<__nv_bfloat16> out_;
+  DeviceBuffer<float> lse_;
+};
+
+// Relative L2 error of the outputs and the largest log-sum-exp difference; every GPU value finite.
+void ExpectClose(const std::vector<float>& out, const std::vector<float>& lse,
+                 const std::vector<float>& ref_out, const std::vector<float>& ref_lse) {
+  ASSERT_EQ(out.size(), ref_out.size());
+  double diff = 0, norm = 0;
+  int64_t non_finite = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) ++non_finite;
+    diff += (double(out[i]) - ref_out[i]) * (double(out[i]) - ref_out[i]);
+    norm += double(ref_out[i]) * ref_out[i];
+  }
+  double lse_err = 0;
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (!std::isfinite(lse[i])) ++non_finite;
+    lse_err = std::max(lse_err, std::abs(double(lse[i]) - ref_lse[i]));
+  }
+  EXPECT_EQ(non_finite, 0) << "unwritten or NaN outputs";
+  EXPECT_LT(std::sqrt(diff / norm), 8e-3) << "relative L2 error of the outputs";
+  EXPECT_LT(lse_err, 2e-2) << "log-sum-exp";
+}
+
+class CudaMlaVerifyTest : public CudaTest {
+ protected:
+  // Plans, runs on poisoned outputs, and compares with the CPU oracle.
+  MlaVerifyPlan RunAndCompare(const Problem& problem, const MlaVerifyOptions& options) {
+    MlaVerifyPlan plan;
+    absl::StatusOr<MlaVerifyPlan> planned = PlanMlaVerify(problem.Shape(), device_, options);
+    EXPECT_TRUE(planned.ok()) << planned.status();
+    if (!planned.ok()) return plan;
+    plan = *planned;
+    SCOPED_TRACE(plan.ToString());
+    DeviceProblem device(problem);
+    DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan.workspace_bytes, 256));
+    device.Poison();
+    const absl::Status status =
+        MlaVerifyAttention(device.Params(), problem.Shape(), plan, workspace.get(), nullptr);
+    EXPECT_TRUE(status.ok()) << status;
+    std::vector<float> out, lse, ref_out, ref_lse;
+    device.Fetch(out, lse);
+    problem.RunCpu(ref_out, ref_lse);
+    ExpectClose(out, lse, ref_out, ref_lse);
+    return plan;
+  }
+
+  bool HasWgmma() const {
+    return device_.compute_capability_major == 9 && device_.compute_capability_minor == 0;
+  }
+  void CheckGraphReplay(MlaVerifyKernel kernel);
+
+  // The planner's choice, and on sm_90 each wgmma kernel forced on the same inputs.
+  std::vector<MlaVerifyKernel> WgmmaKernels() const {
+    if (!HasWgmma()) return {MlaVerifyKernel::kAuto};
+    return {MlaVerifyKernel::kAuto, MlaVerifyKernel::kWgmmaNarrow, MlaVerifyKernel::kWgmmaWide};
+  }
+};
+
+TEST_F(CudaMlaVerifyTest, ProductionDimsMatchTheCpuBackend) {
+  std::mt19937 rng(4242);
+  struct Case {
+    int heads;
+    int max_tree;
+    int max_context;
+  };
+  for (const Case c : {Case{1, 40, 3000}, Case{3, 17, 2500}, Case{8, 33, 3000}, Case{16, 12, 2000},
+                       Case{128, 3, 700}}) {
+    for (int page_size : {16, 48, 64, 128}) {
+      BatchSpec spec;
+      spec.heads = c.heads;
+      spec.page_size = page_size;
+      const int seqs = 1 + static_cast<int>(rng() % 3);
+      for (int b = 0; b < seqs; ++b) {
+        spec.committed.push_back(std::uniform_int_distribution<int>(0, c.max_context)(rng));
+        spec.parents.push_back(
+            RandomTree(std::uniform_int_distribution<int>(1, c.max_tree)(rng), rng));
+      }
+      Problem problem(spec, rng);
+      SCOPED_TRACE(testing::Message()
+                   << "heads " << c.heads << " page " << page_size << " seqs " << seqs);
+      for (MlaVerifyKernel kernel : WgmmaKernels()) {
+        for (int nsplit : {0, 1, 3}) {
+          const MlaVerifyPlan plan = RunAndCompare(
+              problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+          if (HasWgmma()) {
+            EXPECT_NE(plan.kernel, MlaVerifyKernel::kSimt);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
+  std::mt19937 rng(7);
+  BatchSpec spec;
+  spec.heads = 8;
+  spec.committed = {5, 1000, 64};
+  spec.parents = {RandomTree(255, rng), RandomTree(256, rng), {}};
+  spec.parents[2].resize(200);
+  for (int i = 0; i < 200; ++i) spec.parents[2][i] = i - 1;  // a chain: prefill-like
+  Problem problem(spec, rng);
+  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+    RunAndCompare(problem, {.kernel = kernel});
+    RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = 5, .kernel = kernel});
+  }
+}
+
+TEST_F(CudaMlaVerifyTest, PortableKernelAtProductionDims) {
+  std::mt19937 rng(11);
+  BatchSpec spec;
+  spec.heads = 8;
+  spec.page_size = 32;
+  spec.committed = {777, 0};
+  spec.parents = {RandomTree(9, rng), RandomTree(4, rng)};
+  Problem problem(spec, rng);
+  for (int nsplit : {1, 16}) {
+    const MlaVerifyPlan plan = RunAndCompare(
+        problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = MlaVerifyKernel::kSimt});
+    EXPECT_EQ(plan.kernel, MlaVerifyKernel::kSimt);
+  }
+}
+
+TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
+  std::mt19937 rng(12);
+  for (auto [latent, rope] : {std::pair{32, 8}, std::pair{64, 16}}) {
+    BatchSpec spec;
+    spec.heads = 4;
+    spec.latent = latent;
+    spec.rope = rope;
+    spec.page_size = 16;
+    spec.committed = {37, 300, 1};
+    spec.parents = {RandomTree(7, rng), RandomTree(20, rng), RandomTree(1, rng)};
+    Problem problem(spec, rng);
+    const MlaVerifyPlan plan = RunAndCompare(problem, {.min_split_keys = 64});
+    EXPECT_EQ(plan.kernel, MlaVerifyKernel::kSimt);
+  }
+}
+
+// One capture per shape serves every step: the graph replays the same bytes as an eager launch,
+// and after the lengths grow on the device it computes the longer contexts.
+TEST_F(CudaMlaVerifyTest, GraphReplayMatchesEagerAsContextsGrow) {
+  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+    SCOPED_TRACE(MlaVerifyKernelName(kernel));
+    CheckGraphReplay(kernel);
+  }
+}
+
+void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel) {
+  std::mt19937 rng(13);
+  BatchSpec spec;
+  spec.heads = 8;
+  spec.page_size = 64;
+  spec.committed = {1500, 3000};
+  spec.parents = {RandomTree(9, rng), RandomTree(9, rng)};
+  Problem longer(spec, rng);
+  // The same cache and trees, with shorter committed prefixes: the "earlier step".
+  const MlaVerifyShape shape = longer.Shape();
+  absl::StatusOr<MlaVerifyPlan> plan =
+      PlanMlaVerify(shape, device_, {.min_split_keys = 64, .kernel = kernel});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  DeviceProblem device(longer);
+  DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan->workspace_bytes, 256));
+  const std::vector<int32_t> shorter = {700, 2100};
+  ASSERT_EQ(cudaMemcpy(device.committed(), shorter.data(), 8, cudaMemcpyHostToDevice), cudaSuccess);
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_TRUE(MlaVerifyAttention(device.Params(), shape, *plan, workspace.get(), stream).ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  for (const std::vector<int32_t>& committed : {shorter, spec.committed}) {
+    ASSERT_EQ(cudaMemcpy(device.committed(), committed.data(), 8, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    device.Poison();
+    ASSERT_TRUE(MlaVerifyAttention(device.Params(), shape, *plan, workspace.get(), stream).ok());
+    const std::vector<uint8_t> eager = device.Bytes();
+    device.Poison();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(device.Bytes() == eager) << "graph replay differs from the eager launch";
+  }
+  // The last replay ran at the full lengths: it matches the oracle.
+  std::vector<float> out, lse, ref_out, ref_lse;
+  device.Fetch(out, lse);
+  longer.RunCpu(ref_out, ref_lse);
+  ExpectClose(out, lse, ref_out, ref_lse);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The planner fills the machine from the shape alone and reports what it chose.
+TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
+  MlaVerifyShape shape{.num_seqs = 1,
+                       .max_rows_per_seq = 9,
+                       .row_capacity = 9,
+                       .num_heads = 8,
+                       .latent_dim = 512,
+                       .rope_dim = 64,
+                       .page_size = 64};
+  absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device_, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_GE(plan->blocks, device_.multiprocessors * plan->blocks_per_sm * 9 / 10);
+  EXPECT_LE(plan->waves, 1.0);
+  EXPECT_GT(plan->workspace_bytes, 0);
+  shape.num_seqs = 64;
+  shape.max_rows_per_seq = 64;
+  shape.row_capacity = 64 * 64;
+  plan = PlanMlaVerify(shape, device_, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->nsplit, 1);
+  EXPECT_EQ(plan->workspace_bytes, 0);
+}
+
+// Shape errors are caught on the host, before any device work (these run without a GPU).
+TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
+  DeviceInfo device;
+  device.multiprocessors = 132;
+  device.compute_capability_major = 9;
+  const MlaVerifyShape good{.num_seqs = 1,
+                            .max_rows_per_seq = 9,
+                            .row_capacity = 9,
+                            .num_heads = 8,
+                            .latent_dim = 512,
+                            .rope_dim = 64,
+                            .page_size = 64};
+  for (auto mutate : std::vector<void (*)(MlaVerifyShape&)>{
+           [](MlaVerifyShape& s) { s.num_seqs = 0; },
+           [](MlaVerifyShape& s) { s.max_rows_per_seq = 257; },
+           [](MlaVerifyShape& s) { s.row_capacity = 3; },
+           [](MlaVerifyShape& s) { s.latent_dim = 1024; },
+           [](MlaVerifyShape& s) { s.page_size = 0; },
+       }) {
+    MlaVerifyShape shape = good;
+    mutate(shape);
+    const absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  }
+  MlaVerifyParamsBf16 params;  // dims do not match the shape
+  const absl::Status status = MlaVerifyAttention(params, good, MlaVerifyPlan{}, nullptr, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+}
+
+}  // namespace
+}  // namespace treeverify::kernels::cuda
