@@ -90,24 +90,7 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   }
   const int32_t keys = span.keys();
   const int32_t* page_table = p.page_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
-  // Page ids of a tile's boxes (at most 64 / 8), read one tile ahead so that the page-table load
-  // latency overlaps the wait for a free stage instead of delaying the copy.
-  constexpr int kMaxBoxes = kMlaKeyTile / 8;
-  auto load_pages = [&](int tile, int32_t(&pages)[kMaxBoxes]) {
-    const int key0 = tile * kMlaKeyTile;
-#pragma unroll
-    for (int b = 0; b < kMaxBoxes; ++b) {
-      const int key = key0 + b * args.box_rows;
-      pages[b] = b * args.box_rows < kMlaKeyTile && key < keys ? page_table[key / p.page_size] : 0;
-    }
-  };
-  int32_t pages[kMaxBoxes];
-  int32_t next_pages[kMaxBoxes];
-  load_pages(tiles.begin, next_pages);
   for (int i = 0; i < tiles.end - tiles.begin; ++i) {
-#pragma unroll
-    for (int b = 0; b < kMaxBoxes; ++b) pages[b] = next_pages[b];
-    if (tiles.begin + i + 1 < tiles.end) load_pages(tiles.begin + i + 1, next_pages);
     const int stage = i & 1;
     if (i >= 2) sm90::MbarrierWait(&empty[stage], ((i >> 1) - 1) & 1);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
@@ -115,11 +98,9 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
     const int boxes = CeilDiv(valid, args.box_rows);
     sm90::MbarrierArriveExpectTx(&full[stage], boxes * args.box_rows * 128 * kWgmmaChunks);
     uint8_t* stage_smem = smem + stage * kStageBytes;
-#pragma unroll
-    for (int b = 0; b < kMaxBoxes; ++b) {
-      if (b >= boxes) break;
+    for (int b = 0; b < boxes; ++b) {
       const int key = key0 + b * args.box_rows;
-      const int y = pages[b] * p.page_size + key % p.page_size;
+      const int y = page_table[key / p.page_size] * p.page_size + key % p.page_size;
       for (int c = 0; c < kWgmmaChunks; ++c) {
         sm90::TmaLoad2d(stage_smem + c * kMlaKeyTile * 128 + b * args.box_rows * 128, kv_map,
                         c * 64, y, &full[stage]);
