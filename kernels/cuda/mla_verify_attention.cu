@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -66,12 +67,13 @@ int ChooseRowTile(int64_t packed_rows) {
 absl::Status ValidateShape(const MlaVerifyShape& s) {
   if (s.num_seqs <= 0 || s.max_rows_per_seq <= 0 || s.max_rows_per_seq > kMaxSegmentRows ||
       s.row_capacity < s.max_rows_per_seq || s.num_heads <= 0 || s.latent_dim <= 0 ||
-      s.latent_dim > mla::kSimtMaxLatentPerLane * 32 || s.rope_dim < 0 || s.page_size <= 0) {
+      s.latent_dim % 4 != 0 || s.latent_dim > mla::kSimtMaxLatentPerLane * 32 || s.rope_dim < 0 ||
+      s.page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "MLA verify shape: num_seqs ", s.num_seqs, ", max_rows_per_seq ", s.max_rows_per_seq,
         " (1..", kMaxSegmentRows, "), row_capacity ", s.row_capacity, ", num_heads ", s.num_heads,
-        ", latent_dim ", s.latent_dim, " (1..", mla::kSimtMaxLatentPerLane * 32, "), rope_dim ",
-        s.rope_dim, ", page_size ", s.page_size));
+        ", latent_dim ", s.latent_dim, " (a multiple of 4 up to ", mla::kSimtMaxLatentPerLane * 32,
+        "), rope_dim ", s.rope_dim, ", page_size ", s.page_size));
   }
   return absl::OkStatus();
 }
@@ -98,6 +100,24 @@ int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptio
   return static_cast<int32_t>(std::min<int64_t>(splits, mla::kMaxSplits));
 }
 
+// Launches `kernel` on `stream`, as a programmatic dependent launch when `overlap` is set (the
+// kernel then waits for its predecessor itself, see grid_dependency.cuh).
+template <typename... Params, typename... Args>
+absl::Status Launch(void (*kernel)(Params...), dim3 grid, int threads, int64_t smem,
+                    cudaStream_t stream, bool overlap, const char* what, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = overlap ? 1 : 0;
+  return CudaStatus(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), what);
+}
+
 }  // namespace
 
 const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
@@ -117,9 +137,9 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
 std::string MlaVerifyPlan::ToString() const {
   return absl::StrFormat(
       "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
-      "min_split_keys=%d smem=%d workspace=%d",
+      "min_split_keys=%d smem=%d workspace=%d overlap=%d",
       MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
-      min_split_keys, smem_bytes, workspace_bytes);
+      min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0);
 }
 
 absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
@@ -130,6 +150,7 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   }
   MlaVerifyPlan plan;
   plan.min_split_keys = std::max(options.min_split_keys, 1);
+  plan.overlap_predecessor = options.overlap_predecessor;
   const int64_t packed_rows = static_cast<int64_t>(shape.max_rows_per_seq) * shape.num_heads;
   const void* kernel = nullptr;
   int threads = 0;
@@ -231,26 +252,29 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         MakeBf16TensorMap2d(p.q, static_cast<int64_t>(shape.row_capacity) * shape.num_heads, dims,
                             dims, plan.row_tile));
     const mla::WgmmaArgs args{p, partial, plan.min_split_keys, plan.row_tiles, box_rows, direct};
-    const size_t smem = static_cast<size_t>(plan.smem_bytes);
+    const bool overlap = plan.overlap_predecessor;
+    const char* what = "MLA verify split kernel launch";
+    const int threads = mla::kWgmmaThreads;
     switch (plan.kernel == MlaVerifyKernel::kWgmmaWide ? mla::kRows64 : plan.row_tile) {
       case mla::kRows64:
-        mla::MlaVerifyRows64Kernel<<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyRows64Kernel, grid, threads, plan.smem_bytes,
+                                  stream, overlap, what, args, kv_map, q_map));
         break;
       case 8:
-        mla::MlaVerifyWgmmaKernel<8>
-            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<8>, grid, threads, plan.smem_bytes,
+                                  stream, overlap, what, args, kv_map, q_map));
         break;
       case 16:
-        mla::MlaVerifyWgmmaKernel<16>
-            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<16>, grid, threads, plan.smem_bytes,
+                                  stream, overlap, what, args, kv_map, q_map));
         break;
       case 24:
-        mla::MlaVerifyWgmmaKernel<24>
-            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<24>, grid, threads, plan.smem_bytes,
+                                  stream, overlap, what, args, kv_map, q_map));
         break;
       case 32:
-        mla::MlaVerifyWgmmaKernel<32>
-            <<<grid, mla::kWgmmaThreads, smem, stream>>>(args, kv_map, q_map);
+        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<32>, grid, threads, plan.smem_bytes,
+                                  stream, overlap, what, args, kv_map, q_map));
         break;
       default:
         return absl::InvalidArgumentError(absl::StrCat("MLA verify: row tile ", plan.row_tile));
@@ -258,18 +282,21 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
   } else {
     const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),
                          static_cast<unsigned>(shape.num_seqs));
-    mla::MlaVerifySimtKernel<<<simt_grid, mla::kSimtThreads, static_cast<size_t>(plan.smem_bytes),
-                               stream>>>(p, partial, plan.min_split_keys, direct);
+    TV_RETURN_IF_ERROR(Launch(mla::MlaVerifySimtKernel, simt_grid, mla::kSimtThreads,
+                              plan.smem_bytes, stream, plan.overlap_predecessor,
+                              "MLA verify portable kernel launch", p, partial, plan.min_split_keys,
+                              direct));
   }
-  TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MLA verify split kernel launch"));
   if (!direct) {
+    // Always a programmatic dependent launch: the merge kernel's blocks are queued while the
+    // split kernel runs and wait for it on the device.
     const dim3 combine_grid(
         static_cast<unsigned>(packed_rows),
         static_cast<unsigned>(mla::CeilDiv(shape.latent_dim, mla::kCombineDims)),
         static_cast<unsigned>(shape.num_seqs));
-    mla::MlaVerifyCombineKernel<<<combine_grid, mla::kCombineThreads, 0, stream>>>(
-        p, partial, plan.min_split_keys);
-    TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MLA verify combine kernel launch"));
+    TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyCombineKernel, combine_grid, mla::kCombineThreads, 0,
+                              stream, /*overlap=*/true, "MLA verify combine kernel launch", p,
+                              partial, plan.min_split_keys));
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "grid_dependency.cuh"
 #include "mla_verify_common.cuh"
 
 namespace treeverify::kernels::cuda::mla {
@@ -23,14 +24,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float reduce[kCombineGroups][kCombineDims];
   __shared__ float warp_max[kCombineThreads / 32];
   __shared__ float warp_sum[kCombineThreads / 32];
+  AllowDependentGridLaunch();
+  WaitForPredecessorGrid();  // the split kernel's partial results
   const int seq = blockIdx.z;
   const int row = blockIdx.x;
   const SequenceSpan span = LoadSequence(p, seq);
   const int heads = p.num_heads;
   if (row >= span.rows * heads) return;
-  const int32_t keys = span.keys();
-  const int32_t splits =
-      CeilDiv(CeilDiv(keys, kMlaKeyTile), TilesPerSplit(keys, partial.nsplit, min_split_keys));
+  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -65,18 +66,33 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int group = tid / (kCombineDims / 4);
   const int d0 = blockIdx.y * kCombineDims + (tid % (kCombineDims / 4)) * 4;
   const int latent = p.latent_dim;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = group; s < splits; s += kCombineGroups) {
-    const float w = weights[s];
-    if (w == 0.f) continue;
-    const float* src = partial.Out(seq, s, row);
+  // Eight 16-byte loads in flight per thread before any is used: a loop that waited for each
+  // partial in turn spent a memory latency per split (10.9 us for 120 splits, measured).
+  constexpr int kInFlight = 8;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (d0 < latent) {
+    for (int s0 = group; s0 < splits; s0 += kCombineGroups * kInFlight) {
+      float w[kInFlight];
+      float4 v[kInFlight];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (d0 + k < latent) acc[k] += w * src[d0 + k];
+      for (int u = 0; u < kInFlight; ++u) {
+        const int s = s0 + u * kCombineGroups;
+        w[u] = s < splits ? weights[s] : 0.f;
+        v[u] = w[u] != 0.f ? *reinterpret_cast<const float4*>(partial.Out(seq, s, row) + d0)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        acc.x += w[u] * v[u].x;
+        acc.y += w[u] * v[u].y;
+        acc.z += w[u] * v[u].z;
+        acc.w += w[u] * v[u].w;
+      }
     }
   }
+  const float acc_array[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
-  for (int k = 0; k < 4; ++k) reduce[group][(tid % (kCombineDims / 4)) * 4 + k] = acc[k];
+  for (int k = 0; k < 4; ++k) reduce[group][(tid % (kCombineDims / 4)) * 4 + k] = acc_array[k];
   __syncthreads();
   const int64_t global_row = static_cast<int64_t>(span.row_begin) * heads + row;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;

@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 256);  // both WGs read every tile
   __syncthreads();
+  AllowDependentGridLaunch();  // the merge kernel may take its place in the queue now
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -265,6 +266,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
   }
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  // The previous kernel may still read the buffers written below (a launch that overlaps it).
+  WaitForPredecessorGrid();
   const int valid_rows = min(kRows64, rows - row0);
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
 #pragma unroll

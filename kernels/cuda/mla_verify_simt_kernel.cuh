@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "grid_dependency.cuh"
 #include "mla_verify_common.cuh"
 
 namespace treeverify::kernels::cuda::mla {
@@ -27,6 +28,8 @@ __global__ void __launch_bounds__(kSimtThreads)
                         bool direct_output) {
   extern __shared__ float smem[];
   constexpr int kWarps = kSimtThreads / 32;
+  AllowDependentGridLaunch();
+  WaitForPredecessorGrid();  // everything below may depend on the previous kernel
   const int seq = blockIdx.z;
   const int split = blockIdx.y;
   const int row = blockIdx.x;  // packed (node, head) row of the sequence

@@ -26,6 +26,7 @@
 
 #include <cmath>
 
+#include "grid_dependency.cuh"
 #include "mla_verify_common.cuh"
 #include "sm90_primitives.cuh"
 
@@ -83,14 +84,9 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   const MlaVerifyParamsBf16& p = args.p;
   sm90::PrefetchTensorMap(kv_map);
   sm90::PrefetchTensorMap(q_map);
-  sm90::MbarrierArriveExpectTx(q_ready, kWgmmaChunks * kRows * 128);
-  const int q_row = span.row_begin * p.num_heads + row0;
-  for (int c = 0; c < kWgmmaChunks; ++c) {
-    sm90::TmaLoad2d(smem + q_offset + c * kRows * 128, q_map, c * 64, q_row, q_ready);
-  }
   const int32_t keys = span.keys();
   const int32_t* page_table = p.page_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
-  for (int i = 0; i < tiles.end - tiles.begin; ++i) {
+  auto load_tile = [&](int i) {
     const int stage = i & 1;
     if (i >= 2) sm90::MbarrierWait(&empty[stage], ((i >> 1) - 1) & 1);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
@@ -106,7 +102,23 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
                         c * 64, y, &full[stage]);
       }
     }
+  };
+  // Tiles wholly inside the committed prefix were written by earlier steps: the first two (one per
+  // stage) are requested before waiting for the previous kernel, whose queries and tree-node keys
+  // this launch reads (see WaitForPredecessorGrid).
+  const int num_tiles = tiles.end - tiles.begin;
+  int early = 0;
+  while (early < 2 && early < num_tiles &&
+         (tiles.begin + early + 1) * kMlaKeyTile <= span.committed) {
+    load_tile(early++);
   }
+  WaitForPredecessorGrid();
+  sm90::MbarrierArriveExpectTx(q_ready, kWgmmaChunks * kRows * 128);
+  const int q_row = span.row_begin * p.num_heads + row0;
+  for (int c = 0; c < kWgmmaChunks; ++c) {
+    sm90::TmaLoad2d(smem + q_offset + c * kRows * 128, q_map, c * 64, q_row, q_ready);
+  }
+  for (int i = early; i < num_tiles; ++i) load_tile(i);
 }
 
 // full[0..1] (one producer arrival plus bytes), empty[0..1] = full + 2 (`consumers` arrivals)
@@ -163,6 +175,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 128);  // one WG reads a tile
   __syncthreads();
+  AllowDependentGridLaunch();  // the merge kernel may take its place in the queue now
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -403,6 +416,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
   }
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  // The previous kernel may still read the buffers written below (a launch that overlaps it).
+  WaitForPredecessorGrid();
   const int valid_rows = min(kRows, rows - row0);
   const int ctid = threadIdx.x;  // 0..255
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;

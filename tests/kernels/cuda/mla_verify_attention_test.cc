@@ -15,6 +15,7 @@
 
 #include "cuda_test_base.h"
 #include "gtest/gtest.h"
+#include "mla_verify_common.cuh"  // kernels/cuda: the split rule the kernels share
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -278,7 +279,7 @@ class CudaMlaVerifyTest : public CudaTest {
   bool HasWgmma() const {
     return device_.compute_capability_major == 9 && device_.compute_capability_minor == 0;
   }
-  void CheckGraphReplay(MlaVerifyKernel kernel);
+  void CheckGraphReplay(MlaVerifyKernel kernel, bool overlap);
 
   // The planner's choice, and on sm_90 each wgmma kernel forced on the same inputs.
   std::vector<MlaVerifyKernel> WgmmaKernels() const {
@@ -368,16 +369,20 @@ TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
   }
 }
 
-// One capture per shape serves every step: the graph replays the same bytes as an eager launch,
-// and after the lengths grow on the device it computes the longer contexts.
+// One capture per shape serves every step: the graph replays the same bytes as eager launches,
+// and after the lengths change on the device it computes the new contexts. The graph holds four
+// back-to-back launches on alternating lengths, so with overlap_predecessor each launch starts
+// while the previous one finishes and must still leave exactly the last launch's result.
 TEST_F(CudaMlaVerifyTest, GraphReplayMatchesEagerAsContextsGrow) {
   for (MlaVerifyKernel kernel : WgmmaKernels()) {
-    SCOPED_TRACE(MlaVerifyKernelName(kernel));
-    CheckGraphReplay(kernel);
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(testing::Message() << MlaVerifyKernelName(kernel) << " overlap " << overlap);
+      CheckGraphReplay(kernel, overlap);
+    }
   }
 }
 
-void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel) {
+void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap) {
   std::mt19937 rng(13);
   BatchSpec spec;
   spec.heads = 8;
@@ -385,41 +390,55 @@ void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel) {
   spec.committed = {1500, 3000};
   spec.parents = {RandomTree(9, rng), RandomTree(9, rng)};
   Problem longer(spec, rng);
-  // The same cache and trees, with shorter committed prefixes: the "earlier step".
   const MlaVerifyShape shape = longer.Shape();
-  absl::StatusOr<MlaVerifyPlan> plan =
-      PlanMlaVerify(shape, device_, {.min_split_keys = 64, .kernel = kernel});
+  absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(
+      shape, device_, {.min_split_keys = 64, .kernel = kernel, .overlap_predecessor = overlap});
   ASSERT_TRUE(plan.ok()) << plan.status();
   DeviceProblem device(longer);
   DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan->workspace_bytes, 256));
+  // The same cache and trees with shorter committed prefixes: another step of the sequences.
   const std::vector<int32_t> shorter = {700, 2100};
-  ASSERT_EQ(cudaMemcpy(device.committed(), shorter.data(), 8, cudaMemcpyHostToDevice), cudaSuccess);
+  DeviceBuffer<int32_t> other_lengths(2);
+  other_lengths.CopyFrom(shorter);
+  const MlaVerifyParamsBf16 main_params = device.Params();
+  MlaVerifyParamsBf16 other_params = main_params;
+  other_params.committed_lengths = other_lengths.get();
 
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto eager = [&](const MlaVerifyParamsBf16& params) {
+    device.Poison();
+    EXPECT_TRUE(MlaVerifyAttention(params, shape, *plan, workspace.get(), stream).ok());
+    return device.Bytes();
+  };
+  const std::vector<uint8_t> eager_long = eager(main_params);
+  const std::vector<uint8_t> eager_short = eager(other_params);
+
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  ASSERT_TRUE(MlaVerifyAttention(device.Params(), shape, *plan, workspace.get(), stream).ok());
+  for (int i = 0; i < 4; ++i) {
+    const MlaVerifyParamsBf16& params = i % 2 == 0 ? other_params : main_params;
+    ASSERT_TRUE(MlaVerifyAttention(params, shape, *plan, workspace.get(), stream).ok());
+  }
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
 
-  for (const std::vector<int32_t>& committed : {shorter, spec.committed}) {
-    ASSERT_EQ(cudaMemcpy(device.committed(), committed.data(), 8, cudaMemcpyHostToDevice),
-              cudaSuccess);
-    device.Poison();
-    ASSERT_TRUE(MlaVerifyAttention(device.Params(), shape, *plan, workspace.get(), stream).ok());
-    const std::vector<uint8_t> eager = device.Bytes();
-    device.Poison();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_TRUE(device.Bytes() == eager) << "graph replay differs from the eager launch";
-  }
-  // The last replay ran at the full lengths: it matches the oracle.
+  device.Poison();
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_TRUE(device.Bytes() == eager_long) << "graph replay differs from the eager launch";
   std::vector<float> out, lse, ref_out, ref_lse;
   device.Fetch(out, lse);
   longer.RunCpu(ref_out, ref_lse);
   ExpectClose(out, lse, ref_out, ref_lse);
+
+  // The lengths change on the device; the same graph now computes the shorter contexts last.
+  ASSERT_EQ(cudaMemcpy(device.committed(), shorter.data(), 8, cudaMemcpyHostToDevice), cudaSuccess);
+  device.Poison();
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_TRUE(device.Bytes() == eager_short) << "replay after the lengths changed";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -448,6 +467,44 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   EXPECT_EQ(plan->workspace_bytes, 0);
 }
 
+// The split rule (host and device code): the splits of a sequence cover its key tiles exactly
+// once, in order, never more than NSPLIT of them, every non-empty one but the last of the same
+// size, and none shorter than min_split_keys unless the sequence is. Runs without a GPU.
+TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
+  for (int32_t keys : {1, 63, 64, 65, 127, 1000, 4097, 16385, 46009, 131081}) {
+    for (int32_t nsplit : {1, 2, 7, 44, 132, 256}) {
+      for (int32_t min_split_keys : {1, 64, 128, 1000}) {
+        SCOPED_TRACE(testing::Message()
+                     << keys << " keys, nsplit " << nsplit << ", min " << min_split_keys);
+        const int32_t tiles = mla::CeilDiv(keys, kMlaKeyTile);
+        const int32_t splits = mla::NumSplits(keys, nsplit, min_split_keys);
+        ASSERT_GE(splits, 1);
+        ASSERT_LE(splits, nsplit);
+        if (keys >= min_split_keys) {
+          EXPECT_LE(splits, std::max(1, keys / min_split_keys));
+        }
+        int32_t next = 0;
+        int32_t size = -1;
+        for (int32_t s = 0; s < nsplit; ++s) {
+          const mla::SplitTiles range = mla::SplitRange(keys, nsplit, min_split_keys, s);
+          if (s >= splits) {
+            EXPECT_EQ(range.begin, range.end) << "split " << s << " past the last has keys";
+            continue;
+          }
+          EXPECT_EQ(range.begin, next);
+          EXPECT_GT(range.end, range.begin);
+          if (s + 1 < splits) {
+            if (size < 0) size = range.end - range.begin;
+            EXPECT_EQ(range.end - range.begin, size);
+          }
+          next = range.end;
+        }
+        EXPECT_EQ(next, tiles);
+      }
+    }
+  }
+}
+
 // Shape errors are caught on the host, before any device work (these run without a GPU).
 TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
   DeviceInfo device;
@@ -465,6 +522,7 @@ TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
            [](MlaVerifyShape& s) { s.max_rows_per_seq = 257; },
            [](MlaVerifyShape& s) { s.row_capacity = 3; },
            [](MlaVerifyShape& s) { s.latent_dim = 1024; },
+           [](MlaVerifyShape& s) { s.latent_dim = 30; },
            [](MlaVerifyShape& s) { s.page_size = 0; },
        }) {
     MlaVerifyShape shape = good;

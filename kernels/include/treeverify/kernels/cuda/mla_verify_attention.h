@@ -11,8 +11,9 @@
 // The plan depends on the shape only, never on the context lengths (they live on the device):
 // each block derives its key range from committed_lengths, so one captured launch serves every
 // step of a growing context. Key ranges are whole 64-key tiles; a sequence with T keys (prefix
-// plus its own tree nodes) has min(NSPLIT, T / min_split_keys) splits, at least one, whose
-// partial results a second kernel merges by log-sum-exp (skipped when NSPLIT is 1).
+// plus its own tree nodes) has at most min(NSPLIT, T / min_split_keys) splits, at least one,
+// whose partial results a second kernel merges by log-sum-exp (skipped when NSPLIT is 1).
+// docs/cuda-attention.md has the details.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -59,6 +60,13 @@ struct MlaVerifyOptions {
   // kAuto: narrow row tiles up to 32 packed rows per sequence, wide ones above; kSimt where wgmma
   // cannot run. Anything else forces that kernel (benchmarks, tests); kSimt always runs.
   MlaVerifyKernel kernel = MlaVerifyKernel::kAuto;
+  // Launch the split kernel with programmatic dependent launch, so that it starts streaming the
+  // committed prefix while the previous kernel in the stream finishes. Contract: the page table,
+  // lengths, row offsets, masks and the cache's committed prefix are complete before the previous
+  // kernel starts (host copies before the graph, or kernels further back); the queries and the
+  // tree nodes' own keys may come from the previous kernel. (The merge kernel always overlaps the
+  // split kernel's tail; that is internal to the op.)
+  bool overlap_predecessor = false;
 };
 
 // The planner's choice, reported to metrics.
@@ -73,6 +81,7 @@ struct MlaVerifyPlan {
   int32_t min_split_keys = 0;
   int64_t smem_bytes = 0;
   int64_t workspace_bytes = 0;  // partial outputs and log-sum-exps; 0 when nsplit == 1
+  bool overlap_predecessor = false;
   std::string ToString() const;
 };
 
