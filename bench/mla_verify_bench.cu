@@ -1,6 +1,6 @@
 // MLA tree-verify attention on the GPU against its roofline.
 //
-//   mla_verify_bench [--out DIR] [--quick] [--only H,Q,L,B]
+//   mla_verify_bench [--out DIR] [--quick] [--only H,Q,L,B]... [--timestamps]
 //
 // Measures, in one run: the copy bandwidth (a large device-to-device copy, bytes read + written)
 // and the bf16 tensor-core rate (an 8192^3 cuBLAS GEMM) as the ceilings; then for each shape
@@ -405,6 +405,46 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
   return us;
 }
 
+// One eager launch of `plan` (after warm-up launches) with per-block timestamps, written as
+// timeline-H-Q-L-B.csv: block, sm, then start / first tile / last tile done / end in us from the
+// earliest block start.
+void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, cudaStream_t stream,
+                   const std::string& out_dir) {
+  const int64_t entries = int64_t{plan.blocks} * 5;
+  uint64_t* stamps;
+  CHECK_CUDA(cudaMalloc(&stamps, entries * 8));
+  for (int i = 0; i < 3; ++i) {
+    CheckStatus(
+        tvc::MlaVerifyAttention(w.Params(i % w.copies()), w.MlaShape(), plan, workspace, stream),
+        "warm-up");
+  }
+  CHECK_CUDA(cudaMemsetAsync(stamps, 0, entries * 8, stream));
+  plan.timestamps = stamps;
+  CheckStatus(
+      tvc::MlaVerifyAttention(w.Params(3 % w.copies()), w.MlaShape(), plan, workspace, stream),
+      "timed launch");
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<uint64_t> host(entries);
+  CHECK_CUDA(cudaMemcpy(host.data(), stamps, entries * 8, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(stamps));
+  uint64_t t0 = UINT64_MAX;
+  for (int64_t b = 0; b < plan.blocks; ++b) {
+    if (host[b * 5] != 0) t0 = std::min(t0, host[b * 5]);
+  }
+  const Shape& s = w.shape();
+  const std::string path = out_dir + "/timeline-" + std::to_string(s.heads) + "-" +
+                           std::to_string(s.rows) + "-" + std::to_string(s.context) + "-" +
+                           std::to_string(s.batch) + ".csv";
+  std::ofstream csv(path);
+  csv << "block,sm,start_us,first_tile_us,last_tile_done_us,end_us\n";
+  auto rel = [&](uint64_t t) { return t == 0 ? -1.0 : (t - t0) * 1e-3; };
+  for (int64_t b = 0; b < plan.blocks; ++b) {
+    const uint64_t* e = &host[b * 5];
+    csv << b << "," << e[4] << "," << rel(e[0]) << "," << rel(e[1]) << "," << rel(e[2]) << ","
+        << rel(e[3]) << "\n";
+  }
+}
+
 struct Row {
   Shape shape;
   tvc::MlaVerifyPlan plan;
@@ -435,11 +475,14 @@ int main(int argc, char** argv) {
   std::string out_dir = ".";
   bool quick = false;
   std::vector<Shape> only;  // --only: just these shapes (profiling)
+  bool timestamps = false;  // --timestamps: per-block timeline of one eager launch per shape
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out_dir = argv[++i];
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--timestamps")) {
+      timestamps = true;
     } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
       Shape s{};
       long long context = 0;
@@ -450,7 +493,8 @@ int main(int argc, char** argv) {
       s.context = context;
       only.push_back(s);
     } else {
-      std::fprintf(stderr, "usage: %s [--out DIR] [--quick] [--only H,Q,L,B]...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out DIR] [--quick] [--only H,Q,L,B]... [--timestamps]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -535,6 +579,9 @@ int main(int argc, char** argv) {
         std::max(row.bytes / ceilings.copy_bytes_per_s, row.flops / ceilings.tensor_flops_per_s) *
         1e6;
 
+    if (timestamps && row.plan.kernel != tvc::MlaVerifyKernel::kSimt) {
+      WriteTimeline(w, *plan, workspace, stream, out_dir);
+    }
     if (sweep_shape(shape)) {
       for (int nsplit : {1, 2, 3, 4, 6, 8, 11, 16, 22, 33, 44, 66, 88, 132, 176, 256}) {
         absl::StatusOr<tvc::MlaVerifyPlan> forced =

@@ -151,6 +151,7 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   MlaVerifyPlan plan;
   plan.min_split_keys = std::max(options.min_split_keys, 1);
   plan.overlap_predecessor = options.overlap_predecessor;
+  plan.timestamps = options.timestamps;
   const int64_t packed_rows = static_cast<int64_t>(shape.max_rows_per_seq) * shape.num_heads;
   const void* kernel = nullptr;
   int threads = 0;
@@ -251,7 +252,8 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         CUtensorMap q_map,
         MakeBf16TensorMap2d(p.q, static_cast<int64_t>(shape.row_capacity) * shape.num_heads, dims,
                             dims, plan.row_tile));
-    const mla::WgmmaArgs args{p, partial, plan.min_split_keys, plan.row_tiles, box_rows, direct};
+    const mla::WgmmaArgs args{p,        partial, plan.min_split_keys, plan.row_tiles,
+                              box_rows, direct,  plan.timestamps};
     const bool overlap = plan.overlap_predecessor;
     const char* what = "MLA verify split kernel launch";
     const int threads = mla::kWgmmaThreads;

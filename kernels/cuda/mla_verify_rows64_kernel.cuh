@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   uint64_t* q_ready = full + 4;
 
   const MlaVerifyParamsBf16& p = args.p;
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockStart);
   const int seq = blockIdx.y;
   const int split = blockIdx.x / args.row_tiles;
   const int row0 = (blockIdx.x % args.row_tiles) * kRows64;
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     const int stage = i & 1;
     uint8_t* stage_smem = smem + stage * kStageBytes;
     sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
+    if (i == 0 && threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
     uint32_t p_frag[4][4];  // P as wgmma A fragments, one per k16 step (WG0)
     float alpha[2];
@@ -253,6 +255,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     sm90::MbarrierArrive(&empty[stage]);
   }
 
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
   // ---- epilogue: WG0 knows the row maxima and sums; both normalize and write their dims ----
   if (wg == 0) {
 #pragma unroll
@@ -301,6 +304,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
     }
   }
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else
   __trap();  // built without sm_90a code: the planner never picks this kernel then
 #endif

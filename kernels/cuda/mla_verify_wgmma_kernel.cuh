@@ -62,7 +62,29 @@ struct WgmmaArgs {
   int32_t row_tiles;
   int32_t box_rows;  // keys per TMA box: divides both 64 and the page size
   bool direct_output;
+  uint64_t* timestamps;  // profiling aid, usually null: see MlaVerifyOptions::timestamps
 };
+
+// Profiling aid: %globaltimer (ns) at point `what` of this block, written by one thread.
+enum TimestampPoint {
+  kBlockStart = 0,
+  kFirstTile = 1,
+  kLastTileDone = 2,
+  kBlockEnd = 3,
+  kSmId = 4
+};
+inline constexpr int kTimestampsPerBlock = 5;
+__device__ inline void RecordTimestamp(uint64_t* timestamps, int what) {
+  if (timestamps == nullptr) return;
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  uint64_t* mine = timestamps + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) *
+                                    kTimestampsPerBlock;
+  mine[what] = now;
+  mine[kSmId] = sm;
+}
 
 // Barrier of one consumer warpgroup (ids 1 and 2).
 __device__ inline void WarpgroupBarrier(int wg) {
@@ -161,6 +183,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   uint64_t* q_ready = full + 4;
 
   const MlaVerifyParamsBf16& p = args.p;
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockStart);
   const int seq = blockIdx.y;
   const int split = blockIdx.x / args.row_tiles;
   const int row0 = (blockIdx.x % args.row_tiles) * kRows;
@@ -227,6 +250,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   sm90::MbarrierWait(q_ready, 0);
   for (int i = wg; i < num_tiles; i += 2) {
     sm90::MbarrierWait(&full[wg], (i >> 1) & 1);
+    if (i == 0 && threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
     const int valid = min(kMlaKeyTile, keys - key0);
     if (valid < kMlaKeyTile) {
@@ -339,6 +363,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     sm90::MbarrierArrive(&empty[wg]);
   }
 
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
   // ---- epilogue: total sums, warpgroup merge, output ----
   float l_total[kColsPerThread];
 #pragma unroll
@@ -445,6 +470,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       args.partial.lse[args.partial.Index(seq, split, row0 + ctid)] = lse_out[ctid];
     }
   }
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else
   __trap();  // built without sm_90a code: the planner never picks this kernel then
 #endif

@@ -67,6 +67,10 @@ struct MlaVerifyOptions {
   // tree nodes' own keys may come from the previous kernel. (The merge kernel always overlaps the
   // split kernel's tail; that is internal to the op.)
   bool overlap_predecessor = false;
+  // Profiling aid for the wgmma kernels (null in production): a device buffer of
+  // 5 * plan.blocks uint64 that each block fills with %globaltimer at its start, when its first
+  // key tile has landed, after its last tile, at its end (ns), and its multiprocessor id.
+  uint64_t* timestamps = nullptr;
 };
 
 // The planner's choice, reported to metrics.
@@ -82,6 +86,7 @@ struct MlaVerifyPlan {
   int64_t smem_bytes = 0;
   int64_t workspace_bytes = 0;  // partial outputs and log-sum-exps; 0 when nsplit == 1
   bool overlap_predecessor = false;
+  uint64_t* timestamps = nullptr;  // MlaVerifyOptions::timestamps
   std::string ToString() const;
 };
 
