@@ -19,21 +19,20 @@ namespace {
 
 constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiations (N of wgmma)
 
-template <int kRows>
-const void* WgmmaKernel() {
-  return reinterpret_cast<const void*>(&mla::MlaVerifyWgmmaKernel<kRows>);
-}
+// The wgmma kernels share one signature; the narrow one is instantiated per row tile.
+using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);
 
-const void* WgmmaKernelFor(int rows) {
+WgmmaKernelFn WgmmaKernelFor(MlaVerifyKernel kernel, int rows) {
+  if (kernel == MlaVerifyKernel::kWgmmaWide) return &mla::MlaVerifyRows64Kernel;
   switch (rows) {
     case 8:
-      return WgmmaKernel<8>();
+      return &mla::MlaVerifyWgmmaKernel<8>;
     case 16:
-      return WgmmaKernel<16>();
+      return &mla::MlaVerifyWgmmaKernel<16>;
     case 24:
-      return WgmmaKernel<24>();
+      return &mla::MlaVerifyWgmmaKernel<24>;
     default:
-      return WgmmaKernel<32>();
+      return &mla::MlaVerifyWgmmaKernel<32>;
   }
 }
 
@@ -86,7 +85,8 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
     return false;
   }
   cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, WgmmaKernelFor(8)) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(WgmmaKernelFor(
+                                             MlaVerifyKernel::kWgmmaNarrow, 8))) != cudaSuccess) {
     cudaGetLastError();  // no sm_90 image in this binary
     return false;
   }
@@ -172,12 +172,12 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   if (choice == MlaVerifyKernel::kWgmmaNarrow) {
     plan.row_tile = ChooseRowTile(packed_rows);
     plan.smem_bytes = WgmmaSmemBytes(plan.row_tile);
-    kernel = WgmmaKernelFor(plan.row_tile);
+    kernel = reinterpret_cast<const void*>(WgmmaKernelFor(choice, plan.row_tile));
     threads = mla::kWgmmaThreads;
   } else if (choice == MlaVerifyKernel::kWgmmaWide) {
     plan.row_tile = mla::kRows64;
     plan.smem_bytes = mla::Rows64Smem::kBytes;
-    kernel = reinterpret_cast<const void*>(&mla::MlaVerifyRows64Kernel);
+    kernel = reinterpret_cast<const void*>(WgmmaKernelFor(choice, plan.row_tile));
     threads = mla::kWgmmaThreads;
   } else {
     plan.kernel = MlaVerifyKernel::kSimt;
@@ -254,33 +254,9 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
                             dims, plan.row_tile));
     const mla::WgmmaArgs args{p,        partial, plan.min_split_keys, plan.row_tiles,
                               box_rows, direct,  plan.timestamps};
-    const bool overlap = plan.overlap_predecessor;
-    const char* what = "MLA verify split kernel launch";
-    const int threads = mla::kWgmmaThreads;
-    switch (plan.kernel == MlaVerifyKernel::kWgmmaWide ? mla::kRows64 : plan.row_tile) {
-      case mla::kRows64:
-        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyRows64Kernel, grid, threads, plan.smem_bytes,
-                                  stream, overlap, what, args, kv_map, q_map));
-        break;
-      case 8:
-        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<8>, grid, threads, plan.smem_bytes,
-                                  stream, overlap, what, args, kv_map, q_map));
-        break;
-      case 16:
-        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<16>, grid, threads, plan.smem_bytes,
-                                  stream, overlap, what, args, kv_map, q_map));
-        break;
-      case 24:
-        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<24>, grid, threads, plan.smem_bytes,
-                                  stream, overlap, what, args, kv_map, q_map));
-        break;
-      case 32:
-        TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyWgmmaKernel<32>, grid, threads, plan.smem_bytes,
-                                  stream, overlap, what, args, kv_map, q_map));
-        break;
-      default:
-        return absl::InvalidArgumentError(absl::StrCat("MLA verify: row tile ", plan.row_tile));
-    }
+    TV_RETURN_IF_ERROR(Launch(WgmmaKernelFor(plan.kernel, plan.row_tile), grid, mla::kWgmmaThreads,
+                              plan.smem_bytes, stream, plan.overlap_predecessor,
+                              "MLA verify split kernel launch", args, kv_map, q_map));
   } else {
     const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),
                          static_cast<unsigned>(shape.num_seqs));

@@ -64,6 +64,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   const MlaVerifyParamsBf16& p = args.p;
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockStart);
+  // The prologue and the producer role are spelled out here rather than taken from
+  // LocateBlockWork / RunProducer (mla_verify_wgmma_kernel.cuh): with those, ptxas made this
+  // kernel 6 % slower at every shape (bench/NOTES.md, step 11).
   const int seq = blockIdx.y;
   const int split = blockIdx.x / args.row_tiles;
   const int row0 = (blockIdx.x % args.row_tiles) * kRows64;

@@ -166,6 +166,57 @@ __device__ inline void ZeroRowsFrom(uint8_t* stage_smem, int valid, int tid) {
   sm90::FenceProxyAsync();
 }
 
+// What one block of a wgmma kernel works on: row tile row0.. of sequence `seq`, key tiles
+// `tiles` of split `split`. valid is false for blocks past the sequence's rows or splits.
+struct BlockWork {
+  bool valid;
+  int seq;
+  int split;
+  int row0;
+  int rows;  // packed (node, head) rows of the sequence
+  SequenceSpan span;
+  SplitTiles tiles;
+};
+
+__device__ inline BlockWork LocateBlockWork(const WgmmaArgs& args, int rows_per_tile) {
+  BlockWork w{};
+  w.seq = blockIdx.y;
+  w.split = blockIdx.x / args.row_tiles;
+  w.row0 = (blockIdx.x % args.row_tiles) * rows_per_tile;
+  w.span = LoadSequence(args.p, w.seq);
+  w.rows = w.span.rows * args.p.num_heads;
+  if (w.row0 >= w.rows) return w;
+  w.tiles = SplitRange(w.span.keys(), args.partial.nsplit, args.min_split_keys, w.split);
+  w.valid = w.tiles.begin != w.tiles.end;
+  return w;
+}
+
+// The producer warpgroup's whole life: hands its registers to the consumers, one thread streams
+// the tiles, then all of it waits out the epilogue's `epilogue_barriers` block-wide barriers.
+template <int kRows, int kRegisters, int kEpilogueBarriers>
+__device__ inline void RunProducer(const WgmmaArgs& args, const BlockWork& work, uint8_t* smem,
+                                   int q_offset, uint64_t* full, uint64_t* q_ready,
+                                   const CUtensorMap* kv_map, const CUtensorMap* q_map) {
+  sm90::DecreaseRegisters<kRegisters>();
+  if (threadIdx.x == 8 * 32) {
+    ProduceTiles<kRows>(args, work.span, work.seq, work.row0, work.tiles, smem, q_offset, full,
+                        full + 2, q_ready, kv_map, q_map);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kEpilogueBarriers; ++i) {
+    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  }
+}
+
+// Reduces v over the 8 lanes that share lane % 4 (the 8 key rows of an accumulator fragment).
+template <typename Op>
+__device__ inline float ReduceOverLaneRows(float v, Op op) {
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 4));
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 8));
+  return op(v, __shfl_xor_sync(0xffffffffu, v, 16));
+}
+
 template <int kRows>
 __global__ void __launch_bounds__(kWgmmaThreads, 1)
     MlaVerifyWgmmaKernel(const __grid_constant__ WgmmaArgs args,
@@ -184,16 +235,16 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   const MlaVerifyParamsBf16& p = args.p;
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockStart);
-  const int seq = blockIdx.y;
-  const int split = blockIdx.x / args.row_tiles;
-  const int row0 = (blockIdx.x % args.row_tiles) * kRows;
-  const SequenceSpan span = LoadSequence(p, seq);
+  const BlockWork work = LocateBlockWork(args, kRows);
+  if (!work.valid) return;
+  const int seq = work.seq;
+  const int split = work.split;
+  const int row0 = work.row0;
+  const SequenceSpan& span = work.span;
   const int heads = p.num_heads;
-  const int rows = span.rows * heads;  // packed rows of the sequence
-  if (row0 >= rows) return;
+  const int rows = work.rows;
   const int32_t keys = span.keys();
-  const SplitTiles tiles = SplitRange(keys, args.partial.nsplit, args.min_split_keys, split);
-  if (tiles.begin == tiles.end) return;
+  const SplitTiles tiles = work.tiles;
   const int num_tiles = tiles.end - tiles.begin;
 
   if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 128);  // one WG reads a tile
@@ -203,16 +254,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= 8) {
-    // ---- producer ----
-    sm90::DecreaseRegisters<40>();
-    if (warp == 8 && lane == 0) {
-      ProduceTiles<kRows>(args, span, seq, row0, tiles, smem, Layout::kQ, full, empty, q_ready,
-                          &kv_map, &q_map);
-    }
-    __syncwarp();
-    // The producer warpgroup stays for the epilogue's block-wide barriers.
-    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
-    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+    RunProducer<kRows, 40, 2>(args, work, smem, Layout::kQ, full, q_ready, &kv_map, &q_map);
     return;
   }
 
@@ -299,10 +341,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+        const float v = ReduceOverLaneRows(fmaxf(s[4 * j + e], s[4 * j + 2 + e]),
+                                           [](float a, float b) { return fmaxf(a, b); });
         if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
       }
     }
@@ -370,10 +410,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      float v = l_col[2 * j + e];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      const float v = ReduceOverLaneRows(l_col[2 * j + e], [](float a, float b) { return a + b; });
       if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
     }
   }
