@@ -9,9 +9,9 @@
 // warpgroup 0 already computes the scores of tile i + 1. V is the first 512 dims of the key
 // tile, read as an MN-major B operand; nothing is copied.
 //
-// Shared memory (227 KB of the 228): two 64-key stages (72 KB each), the query tile (72 KB), P
-// (8 KB). The producer warp, masks and partial-tile zeroing follow the row-tile kernel
-// (mla_verify_wgmma_kernel.cuh).
+// Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
+// tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile
+// kernel (mla_verify_wgmma_kernel.cuh).
 #pragma once
 
 #include <cuda.h>

@@ -4,14 +4,15 @@
 // Shape of the work. A block owns one row tile (kRows packed (node, head) rows of one sequence,
 // all sharing the sequence's KV) and one split of the sequence's keys. It computes the scores
 // transposed, S^T[64 keys x kRows] = K[64 x 576] * Q^T, so the rows are wgmma's N dimension
-// (multiples of 8: 8 or 72 rows waste nothing, where a 64-row M tile would be mostly padding at
-// TP8's 8 heads), and the output transposed, O^T[512 x kRows] += V^T[512 x 64] * P^T, with V^T
-// read straight from the key tile (the first 512 dims of each latent row) as an MN-major operand.
+// (kRows = 8, 16, 24 or 32: a sequence of 8 or 24 packed rows wastes nothing, where a 64-row M
+// tile would be mostly padding at TP8's 8 heads), and the output transposed,
+// O^T[512 x kRows] += V^T[512 x 64] * P^T, with V^T read straight from the key tile (the first
+// 512 dims of each latent row) as an MN-major operand.
 //
-// Roles. Warp 8 (the first of warpgroup 2, which gives its registers to the consumers) is the
-// producer: it loads the row tile's queries once, then the split's 64-key
-// tiles into two stages, a tile per TMA box group of min(64, page_size) keys (pages in any
-// order). Warpgroups 0 and 1 are consumers that take the tiles in turn (tile i goes to
+// Roles. Warpgroup 2 gives its registers to the consumers; one of its threads is the producer
+// (ProduceTiles): the first tiles of the committed prefix, the row tile's queries, then the
+// split's remaining 64-key tiles into two stages, in TMA boxes of gcd(64, page_size) keys (pages
+// in any order). Warpgroups 0 and 1 are consumers that take the tiles in turn (tile i goes to
 // warpgroup i % 2, in stage i % 2), each with its own online softmax and accumulators; at the
 // end warpgroup 1 hands its (max, sum, O) to warpgroup 0 through shared memory, which merges
 // them and writes either the final output (one split) or the split's partial result.
