@@ -1,13 +1,14 @@
 // The sm_90a MLA verify kernel for many packed rows (the compute-bound shapes: H * Q above 32).
 //
 // A block owns 64 packed (node, head) rows of one sequence and one split of its keys, in the
-// plain orientation: S[64 rows x 64 keys] = Q * K^T, O[64 x 512] += P * V. Warpgroup 0 computes S
-// with wgmma (Q and the key tile in shared memory, N = 64), the online softmax (a row's scores
-// live in one quad of lanes: no shared-memory reduction), and P * V for dims 0..255 with P taken
-// straight from its registers; it hands P (bf16) and the rescale factors to warpgroup 1 through
-// shared memory, which does P * V for dims 256..511. While warpgroup 1 multiplies tile i,
-// warpgroup 0 already computes the scores of tile i + 1. V is the first 512 dims of the key
-// tile, read as an MN-major B operand; nothing is copied.
+// plain orientation: S[64 rows x 64 keys] = Q * K^T, O[64 x 512] += P * V. Warpgroup w keeps the
+// output for dims 256w..256w+255 and owns the key tiles i with i % 2 == w: for those it computes
+// S with wgmma (Q and the key tile in shared memory, N = 64) and the online softmax (a row's
+// scores live in one quad of lanes: no shared-memory reduction), multiplies P from its registers,
+// and hands P (bf16), the rescale factors and the row statistics to the other warpgroup through
+// shared memory. Right after, it issues the scores of its next tile (i + 2), which the tensor
+// cores compute while the other warpgroup does the softmax of tile i + 1. V is the first 512
+// dims of the key tile, read as an MN-major B operand; nothing is copied.
 //
 // Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
 // tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile
@@ -38,11 +39,27 @@ struct Rows64Smem {
   static constexpr int kBytes = kEnd + 1024;
 };
 
-// Named barriers between the two consumer warpgroups: WG0 signals "ready" when P and alpha of
-// tile i are in shared memory (WG1 waits), WG1 signals "free" when it has read them (WG0 waits
-// before writing tile i + 1's). WG0's scores of tile i + 1 overlap WG1's P * V of tile i.
-inline constexpr int kProbsReady = 4;
-inline constexpr int kProbsFree = 5;
+// "Tile ready": the owner of a tile (warpgroup tile % 2) signals that P, alpha and the row
+// statistics of the tile are in shared memory; the other warpgroup waits for it. One barrier id
+// per tile parity: with a single id, an owner without a next tile could reach the wait for the
+// following tile while its own signal still counts toward the current one.
+inline constexpr int kTileReadyEven = 4;
+inline constexpr int kTileReadyOdd = 5;
+
+__device__ inline void SignalTileReady(int tile) {
+  if (tile & 1) {
+    sm90::NamedBarrierArrive<kTileReadyOdd, 256>();
+  } else {
+    sm90::NamedBarrierArrive<kTileReadyEven, 256>();
+  }
+}
+__device__ inline void WaitTileReady(int tile) {
+  if (tile & 1) {
+    sm90::NamedBarrier<kTileReadyOdd, 256>();
+  } else {
+    sm90::NamedBarrier<kTileReadyEven, 256>();
+  }
+}
 
 __device__ inline uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -108,7 +125,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int r_lo = 16 * wg_warp + lane / 4;  // h = 0; h = 1 is r_lo + 8
   uint8_t* probs = smem + Layout::kProbs;
   float* alpha_smem = reinterpret_cast<float*>(smem + Layout::kAlpha);
-  float* handoff = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
+  float* stats_smem = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
   const float scale = p.softmax_scale * 1.4426950408889634f;
   const uint64_t* mask =
       p.ancestor_mask + static_cast<int64_t>(span.row_begin) * kAncestorMaskWords;
@@ -117,44 +134,64 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  // The running row max and row sum after the last tile seen, the same in both warpgroups.
   float m_row[2] = {-INFINITY, -INFINITY};
-  float l_row[2] = {0.f, 0.f};  // this thread's share of the row sums (its keys)
+  float l_row[2] = {0.f, 0.f};
+  float s[32];  // scores of the next tile this warpgroup owns
 
+  // S = Q * K^T of tile i into s, after the tile has landed and its rows past the sequence's end
+  // are zeroed. The whole wgmma sequence (fence to wait) stays inside one call: a sequence that
+  // spans branches makes ptxas serialize it (C7518).
+  auto compute_scores = [&](int i) {
+    uint8_t* stage_smem = smem + (i & 1) * kStageBytes;
+    sm90::MbarrierWait(&full[i & 1], (i >> 1) & 1);
+    const int valid = min(kMlaKeyTile, keys - (tiles.begin + i) * kMlaKeyTile);
+    if (valid < kMlaKeyTile) {
+      ZeroRowsFrom(stage_smem, valid, tid);
+      WarpgroupBarrier(wg);
+    }
+    sm90::WgmmaFence();
+#pragma unroll
+    for (int c = 0; c < kWgmmaChunks; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t a =
+            sm90::MakeSmemDescriptor(smem + Layout::kQ + c * kRows64 * 128 + k * 32, 16, 1024);
+        const uint64_t b =
+            sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
+        sm90::WgmmaM64N64<0, 0>::Run(s, a, b, (c | k) != 0);
+      }
+    }
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(s);
+  };
+  auto rescale = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[4 * j + 2 * h] *= alpha[h];
+        o[4 * j + 2 * h + 1] *= alpha[h];
+      }
+    }
+  };
+
+  // Tiles alternate between the warpgroups: the owner of tile i (warpgroup i % 2) computes its
+  // scores and softmax and publishes P, alpha and the new row max and sum ("ready"); both then
+  // multiply P by their half of V. The owner computes the scores of its next tile (i + 2) right
+  // after: the tensor cores work on them while the other warpgroup does the softmax of i + 1.
   sm90::MbarrierWait(q_ready, 0);
+  if (wg < num_tiles) compute_scores(wg);
+  if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
   for (int i = 0; i < num_tiles; ++i) {
     const int stage = i & 1;
-    uint8_t* stage_smem = smem + stage * kStageBytes;
-    sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
-    if (i == 0 && threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
-    const int key0 = (tiles.begin + i) * kMlaKeyTile;
-    uint32_t p_frag[4][4];  // P as wgmma A fragments, one per k16 step (WG0)
-    float alpha[2];
-    if (wg == 0) {
-      const int valid = min(kMlaKeyTile, keys - key0);
-      if (valid < kMlaKeyTile) {
-        ZeroRowsFrom(stage_smem, valid, tid);
-        WarpgroupBarrier(0);
-      }
-      // S = Q * K^T.
-      float s[32];
-      sm90::WgmmaFence();
-#pragma unroll
-      for (int c = 0; c < kWgmmaChunks; ++c) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint64_t a =
-              sm90::MakeSmemDescriptor(smem + Layout::kQ + c * kRows64 * 128 + k * 32, 16, 1024);
-          const uint64_t b =
-              sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
-          sm90::WgmmaM64N64<0, 0>::Run(s, a, b, (c | k) != 0);
-        }
-      }
-      sm90::WgmmaCommit();
-      sm90::WgmmaWait<0>();
-      sm90::FenceRegisters(s);
-
-      // Scale, mask, online softmax: a row's 64 scores live in the 4 lanes of a quad.
+    uint8_t* v_smem = smem + stage * kStageBytes + wg * 4 * kMlaKeyTile * 128;
+    if ((i & 1) == wg) {
+      // Owner: s holds this tile's scores.
+      const int key0 = (tiles.begin + i) * kMlaKeyTile;
       const bool special = key0 + kMlaKeyTile > span.committed;
+      float alpha[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = min(row0 + r_lo + 8 * h, rows - 1);
@@ -189,9 +226,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
             sum += x;
           }
         }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         l_row[h] = l_row[h] * alpha[h] + sum;
       }
       // P as A fragments: k16 step t covers keys 16t..16t+15 = accumulator columns j = 2t, 2t+1.
+      uint32_t p_frag[4][4];
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         p_frag[t][0] = PackBf16(s[8 * t + 0], s[8 * t + 1]);
@@ -199,8 +239,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         p_frag[t][2] = PackBf16(s[8 * t + 4], s[8 * t + 5]);
         p_frag[t][3] = PackBf16(s[8 * t + 6], s[8 * t + 7]);
       }
-      // Hand P and alpha to WG1 once it has finished with the previous tile's.
-      if (i > 0) sm90::NamedBarrier<kProbsFree, 256>();
+      // Publish P, alpha and the row statistics. P's buffer is free: its last reader was this
+      // warpgroup, as the non-owner of tile i - 1, and that multiply has completed.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -210,30 +250,17 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         }
       }
       if (quad == 0) {
-        alpha_smem[r_lo] = alpha[0];
-        alpha_smem[r_lo + 8] = alpha[1];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          alpha_smem[r_lo + 8 * h] = alpha[h];
+          stats_smem[r_lo + 8 * h] = m_row[h];
+          stats_smem[kRows64 + r_lo + 8 * h] = l_row[h];
+        }
       }
       sm90::FenceProxyAsync();
-      sm90::NamedBarrierArrive<kProbsReady, 256>();
-    } else {
-      sm90::NamedBarrier<kProbsReady, 256>();
-      alpha[0] = alpha_smem[r_lo];
-      alpha[1] = alpha_smem[r_lo + 8];
-    }
+      SignalTileReady(i);
 
-    // O = alpha * O + P * V over this warpgroup's 256 dims (4 chunks of the key tile).
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        o[4 * j + 2 * h] *= alpha[h];
-        o[4 * j + 2 * h + 1] *= alpha[h];
-      }
-    }
-    // Each warpgroup's wgmma sequence sits wholly inside its own branch: a sequence that spans
-    // a branch makes ptxas serialize it.
-    uint8_t* v_smem = stage_smem + wg * 4 * kMlaKeyTile * 128;
-    if (wg == 0) {
+      rescale(alpha);
       sm90::WgmmaFence();
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
@@ -242,7 +269,23 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
       sm90::WgmmaCommit();
       sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(o);
+      sm90::MbarrierArrive(&empty[stage]);
+      // The next tile this warpgroup owns, once this tile's stage is released (the producer
+      // refills it with tile i + 2 only after both warpgroups are done with tile i).
+      if (i + 2 < num_tiles) compute_scores(i + 2);
     } else {
+      // Non-owner: P, alpha and the row statistics of tile i come from the owner.
+      sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
+      WaitTileReady(i);
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha[h] = alpha_smem[r_lo + 8 * h];
+        m_row[h] = stats_smem[r_lo + 8 * h];
+        l_row[h] = stats_smem[kRows64 + r_lo + 8 * h];
+      }
+      rescale(alpha);
       sm90::WgmmaFence();
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
@@ -252,25 +295,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
       sm90::WgmmaCommit();
       sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(o);
+      sm90::MbarrierArrive(&empty[stage]);
     }
-    sm90::FenceRegisters(o);
-    if (wg == 1 && i + 1 < num_tiles) sm90::NamedBarrierArrive<kProbsFree, 256>();
-    sm90::MbarrierArrive(&empty[stage]);
   }
 
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
-  // ---- epilogue: WG0 knows the row maxima and sums; both normalize and write their dims ----
-  if (wg == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
-      l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
-      if (quad == 0) {
-        handoff[r_lo + 8 * h] = m_row[h];
-        handoff[kRows64 + r_lo + 8 * h] = l_row[h];
-      }
-    }
-  }
+  // ---- epilogue: both warpgroups hold the final row max and sum; each writes its dims ----
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
   // The previous kernel may still read the buffers written below (a launch that overlaps it).
   WaitForPredecessorGrid();
@@ -280,8 +311,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h;
     if (r >= valid_rows) continue;
-    const float m = handoff[r];
-    const float l = handoff[kRows64 + r];
+    const float m = m_row[h];
+    const float l = l_row[h];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (args.direct_output) {
       __nv_bfloat16* dst = p.out + (global_row0 + r) * kWgmmaLatent + 256 * wg;
