@@ -5,8 +5,8 @@
 //   MlaVerifyShape shape{.num_seqs = 1, .max_rows_per_seq = 9, .row_capacity = 9,
 //                        .num_heads = 8, .latent_dim = 512, .rope_dim = 64, .page_size = 64};
 //   absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
-//   DeviceWorkspace workspace(plan->workspace_bytes);            // once, for the largest plan
-//   MlaVerifyAttention(params, shape, *plan, workspace.get(), stream);
+//   // workspace: plan->workspace_bytes of device memory, allocated once for the largest plan
+//   MlaVerifyAttention(params, shape, *plan, workspace, stream);
 //
 // The plan depends on the shape only, never on the context lengths (they live on the device):
 // each block derives its key range from committed_lengths, so one captured launch serves every
@@ -50,7 +50,7 @@ enum class MlaVerifyKernel {
   kAuto,         // (options only) let the planner choose
   kWgmmaNarrow,  // sm_90a, 512 + 64 dims: row tiles of 8..32 packed rows as wgmma's N
   kWgmmaWide,    // sm_90a, 512 + 64 dims: 64-row tiles, two warpgroups split the value dims
-  kSimt,         // any GPU, any dims: one block per (row, split), CUDA cores
+  kSimt,         // any GPU, latent <= 512 (a multiple of 4): one block per (row, split)
 };
 const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
 
