@@ -22,30 +22,29 @@ constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiatio
 // The wgmma kernels share one signature; the narrow one is instantiated per row tile.
 using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);
 
-WgmmaKernelFn WgmmaKernelFor(MlaVerifyKernel kernel, int rows) {
-  if (kernel == MlaVerifyKernel::kWgmmaWide) return &mla::MlaVerifyRows64Kernel;
-  switch (rows) {
-    case 8:
-      return &mla::MlaVerifyWgmmaKernel<8>;
-    case 16:
-      return &mla::MlaVerifyWgmmaKernel<16>;
-    case 24:
-      return &mla::MlaVerifyWgmmaKernel<24>;
-    default:
-      return &mla::MlaVerifyWgmmaKernel<32>;
-  }
+struct WgmmaVariant {
+  WgmmaKernelFn kernel;
+  int64_t smem_bytes;
+};
+
+template <int kRows>
+WgmmaVariant Narrow() {
+  return {&mla::MlaVerifyWgmmaKernel<kRows>, mla::WgmmaSmem<kRows>::kBytes};
 }
 
-int64_t WgmmaSmemBytes(int rows) {
+WgmmaVariant WgmmaVariantFor(MlaVerifyKernel kernel, int rows) {
+  if (kernel == MlaVerifyKernel::kWgmmaWide) {
+    return {&mla::MlaVerifyRows64Kernel, mla::Rows64Smem::kBytes};
+  }
   switch (rows) {
     case 8:
-      return mla::WgmmaSmem<8>::kBytes;
+      return Narrow<8>();
     case 16:
-      return mla::WgmmaSmem<16>::kBytes;
+      return Narrow<16>();
     case 24:
-      return mla::WgmmaSmem<24>::kBytes;
+      return Narrow<24>();
     default:
-      return mla::WgmmaSmem<32>::kBytes;
+      return Narrow<32>();
   }
 }
 
@@ -85,8 +84,8 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
     return false;
   }
   cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(WgmmaKernelFor(
-                                             MlaVerifyKernel::kWgmmaNarrow, 8))) != cudaSuccess) {
+  const WgmmaKernelFn probe = WgmmaVariantFor(MlaVerifyKernel::kWgmmaNarrow, 8).kernel;
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(probe)) != cudaSuccess) {
     cudaGetLastError();  // no sm_90 image in this binary
     return false;
   }
@@ -169,15 +168,12 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
                                                                 : MlaVerifyKernel::kWgmmaWide;
   }
   plan.kernel = choice;
-  if (choice == MlaVerifyKernel::kWgmmaNarrow) {
-    plan.row_tile = ChooseRowTile(packed_rows);
-    plan.smem_bytes = WgmmaSmemBytes(plan.row_tile);
-    kernel = reinterpret_cast<const void*>(WgmmaKernelFor(choice, plan.row_tile));
-    threads = mla::kWgmmaThreads;
-  } else if (choice == MlaVerifyKernel::kWgmmaWide) {
-    plan.row_tile = mla::kRows64;
-    plan.smem_bytes = mla::Rows64Smem::kBytes;
-    kernel = reinterpret_cast<const void*>(WgmmaKernelFor(choice, plan.row_tile));
+  if (choice == MlaVerifyKernel::kWgmmaNarrow || choice == MlaVerifyKernel::kWgmmaWide) {
+    plan.row_tile =
+        choice == MlaVerifyKernel::kWgmmaWide ? mla::kRows64 : ChooseRowTile(packed_rows);
+    const WgmmaVariant variant = WgmmaVariantFor(choice, plan.row_tile);
+    plan.smem_bytes = variant.smem_bytes;
+    kernel = reinterpret_cast<const void*>(variant.kernel);
     threads = mla::kWgmmaThreads;
   } else {
     plan.kernel = MlaVerifyKernel::kSimt;
@@ -254,8 +250,8 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
                             dims, plan.row_tile));
     const mla::WgmmaArgs args{p,        partial, plan.min_split_keys, plan.row_tiles,
                               box_rows, direct,  plan.timestamps};
-    TV_RETURN_IF_ERROR(Launch(WgmmaKernelFor(plan.kernel, plan.row_tile), grid, mla::kWgmmaThreads,
-                              plan.smem_bytes, stream, plan.overlap_predecessor,
+    TV_RETURN_IF_ERROR(Launch(WgmmaVariantFor(plan.kernel, plan.row_tile).kernel, grid,
+                              mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
                               "MLA verify split kernel launch", args, kv_map, q_map));
   } else {
     const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),

@@ -33,8 +33,8 @@ struct Rows64Smem {
   static constexpr int kQ = 2 * kStageBytes;
   static constexpr int kProbs = kQ + kWgmmaChunks * kRows64 * 128;  // P [64 rows][64 keys] bf16
   static constexpr int kAlpha = kProbs + kRows64 * 128;             // rescale per row
-  static constexpr int kHandoff = kAlpha + kRows64 * 4;             // final max, sum per row
-  static constexpr int kBarriers = kHandoff + 2 * kRows64 * 4;      // full[2], empty[2], q
+  static constexpr int kStats = kAlpha + kRows64 * 4;               // running max, sum per row
+  static constexpr int kBarriers = kStats + 2 * kRows64 * 4;        // full[2], empty[2], q
   static constexpr int kEnd = kBarriers + 5 * 8;
   static constexpr int kBytes = kEnd + 1024;
 };
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int r_lo = 16 * wg_warp + lane / 4;  // h = 0; h = 1 is r_lo + 8
   uint8_t* probs = smem + Layout::kProbs;
   float* alpha_smem = reinterpret_cast<float*>(smem + Layout::kAlpha);
-  float* stats_smem = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
+  float* stats_smem = reinterpret_cast<float*>(smem + Layout::kStats);  // [max | sum][row]
   const float scale = p.softmax_scale * 1.4426950408889634f;
   const uint64_t* mask =
       p.ancestor_mask + static_cast<int64_t>(span.row_begin) * kAncestorMaskWords;

@@ -218,6 +218,34 @@ __device__ inline float ReduceOverLaneRows(float v, Op op) {
   return op(v, __shfl_xor_sync(0xffffffffu, v, 16));
 }
 
+// Combines one value per accumulator column (packed row) over the tile's 64 keys: the 8 key rows
+// of a warp through shuffles, the 4 warps of the warpgroup through `reduce` ([warp][column]),
+// in warp order. `values[2j + e]` belongs to column 8j + 2 * (lane % 4) + e.
+template <int kRows, typename Op>
+__device__ inline void CombineColumns(float (&values)[kRows / 4], float* reduce, int wg,
+                                      int wg_warp, int lane, Op op) {
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float v = ReduceOverLaneRows(values[2 * j + e], op);
+      if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * (lane % 4) + e] = v;
+    }
+  }
+  WarpgroupBarrier(wg);
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j + 2 * (lane % 4) + e;
+      float v = reduce[col];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) v = op(v, reduce[w * kRows + col]);
+      values[2 * j + e] = v;
+    }
+  }
+}
+
 template <int kRows>
 __global__ void __launch_bounds__(kWgmmaThreads, 1)
     MlaVerifyWgmmaKernel(const __grid_constant__ WgmmaArgs args,
@@ -338,26 +366,21 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
     }
     float alpha[kColsPerThread];
+    float tile_max[kColsPerThread];
 #pragma unroll
     for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float v = ReduceOverLaneRows(fmaxf(s[4 * j + e], s[4 * j + 2 + e]),
-                                           [](float a, float b) { return fmaxf(a, b); });
-        if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
-      }
+      for (int e = 0; e < 2; ++e) tile_max[2 * j + e] = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
     }
-    WarpgroupBarrier(wg);
+    CombineColumns<kRows>(tile_max, reduce, wg, wg_warp, lane,
+                          [](float a, float b) { return fmaxf(a, b); });
 #pragma unroll
     for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = 8 * j + 2 * quad + e;
         const int ci = 2 * j + e;
-        float tile_max = reduce[col];
-#pragma unroll
-        for (int w = 1; w < 4; ++w) tile_max = fmaxf(tile_max, reduce[w * kRows + col]);
-        const float m_new = fmaxf(m_col[ci], tile_max);
+        const float m_new = fmaxf(m_col[ci], tile_max[ci]);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         alpha[ci] = exp2f(m_col[ci] - m_use);
         m_col[ci] = m_new;
@@ -408,23 +431,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   // ---- epilogue: total sums, warpgroup merge, output ----
   float l_total[kColsPerThread];
 #pragma unroll
-  for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float v = ReduceOverLaneRows(l_col[2 * j + e], [](float a, float b) { return a + b; });
-      if (lane < 4) reduce[wg_warp * kRows + 8 * j + 2 * quad + e] = v;
-    }
-  }
-  WarpgroupBarrier(wg);
-#pragma unroll
-  for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * j + 2 * quad + e;
-      l_total[2 * j + e] =
-          reduce[col] + reduce[kRows + col] + reduce[2 * kRows + col] + reduce[3 * kRows + col];
-    }
-  }
+  for (int ci = 0; ci < kColsPerThread; ++ci) l_total[ci] = l_col[ci];
+  CombineColumns<kRows>(l_total, reduce, wg, wg_warp, lane, [](float a, float b) { return a + b; });
   float* handoff = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
   float* handoff_o = reinterpret_cast<float*>(smem + kStageBytes);     // WG1's accumulators
   if (wg == 1) {
