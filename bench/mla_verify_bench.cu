@@ -101,6 +101,26 @@ __global__ void CopyKernel(const uint4* __restrict__ src, uint4* __restrict__ ds
   for (; i < count; i += stride) dst[i] = src[i];
 }
 
+// The streaming probe: reads `count` 16-byte units (eight loads in flight per thread) and keeps
+// them alive through a store that never happens in practice. No attention op can read its KV
+// faster.
+__global__ void ReadKernel(const uint4* __restrict__ src, int64_t count, uint32_t* sink) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + 7 * stride < count; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = src[i + k * stride];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  for (; i < count; i += stride) acc ^= src[i].x ^ src[i].y ^ src[i].z ^ src[i].w;
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+__global__ void EmptyKernel() {}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -190,6 +210,52 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
   CHECK_CUDA(cudaFree(b));
   CHECK_CUDA(cudaFree(d));
   return c;
+}
+
+// What one launch costs in this harness before any attention work: per context of the batch-1
+// rows, graphs of back-to-back launches (one per copy of L * 576 * 2 bytes, rotated over 256 MB
+// like the workloads) of the streaming probe alone, of the probe followed by an empty kernel (the
+// shape of a split kernel plus its merge), and of an empty kernel alone.
+struct LaunchProbe {
+  int64_t context;
+  double read_us;
+  double read_then_empty_us;
+  double empty_us;
+};
+
+std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms,
+                                             const std::vector<int64_t>& contexts) {
+  std::vector<LaunchProbe> probes;
+  uint32_t* sink;
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  for (int64_t context : contexts) {
+    const int64_t bytes = context * 576 * 2;
+    const int copies =
+        static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes - 1) / bytes, 2, 64));
+    __nv_bfloat16* data;
+    CHECK_CUDA(cudaMalloc(&data, bytes * copies));
+    Fill(data, bytes * copies / 2, 7);
+    auto time_per_launch = [&](bool read, bool empty_after) {
+      cudaGraphExec_t exec = Capture(stream, [&] {
+        for (int c = 0; c < copies; ++c) {
+          if (read) {
+            ReadKernel<<<sms * 4, 256, 0, stream>>>(
+                reinterpret_cast<const uint4*>(reinterpret_cast<char*>(data) + c * bytes),
+                bytes / 16, sink);
+          }
+          if (empty_after) EmptyKernel<<<1, 32, 0, stream>>>();
+        }
+      });
+      const double us = TimeGraph(exec, stream, 15) * 1e3 / copies;
+      CHECK_CUDA(cudaGraphExecDestroy(exec));
+      return us;
+    };
+    probes.push_back({context, time_per_launch(true, false), time_per_launch(true, true),
+                      time_per_launch(false, true)});
+    CHECK_CUDA(cudaFree(data));
+  }
+  CHECK_CUDA(cudaFree(sink));
+  return probes;
 }
 
 struct Shape {
@@ -521,6 +587,18 @@ int main(int argc, char** argv) {
       ceilings.memcpy_bytes_per_s / 1e9, ceilings.kernel_copy_bytes_per_s / 1e9,
       ceilings.tensor_flops_per_s / 1e12);
 
+  const std::vector<LaunchProbe> probes =
+      MeasureLaunchProbes(stream, device->multiprocessors, {4096, 16384, 46000, 131072});
+  for (const LaunchProbe& probe : probes) {
+    const double floor_us = probe.context * 576 * 2 / ceilings.copy_bytes_per_s * 1e6;
+    std::printf(
+        "probe L=%6lld: floor %5.1f us, read %5.1f us (%4.1f%%), read + empty kernel %5.1f us "
+        "(%4.1f%%), empty kernel %4.1f us\n",
+        static_cast<long long>(probe.context), floor_us, probe.read_us,
+        100 * floor_us / probe.read_us, probe.read_then_empty_us,
+        100 * floor_us / probe.read_then_empty_us, probe.empty_us);
+  }
+
   std::vector<Shape> shapes;
   const std::vector<int> heads = quick ? std::vector<int>{8, 16} : std::vector<int>{8, 16, 64, 128};
   const std::vector<int> tree_rows =
@@ -626,10 +704,10 @@ int main(int argc, char** argv) {
     row.cublas_us = TimeCublasReference(w, cublas, stream);
     std::printf(
         "H=%3d Q=%2d L=%6lld B=%2d  %9.1f us  floor %8.1f us  %5.1f%%  overlapped %9.1f us "
-        "%5.1f%%  %s\n",
+        "%5.1f%%  other %7.1f us  %s\n",
         shape.heads, shape.rows, static_cast<long long>(shape.context), shape.batch, row.us,
         row.floor_us, 100 * row.floor_us / row.us, row.overlap_us,
-        100 * row.floor_us / row.overlap_us, row.plan.ToString().c_str());
+        100 * row.floor_us / row.overlap_us, row.other_kernel_us, row.plan.ToString().c_str());
     std::fflush(stdout);
     rows.push_back(std::move(row));
   }
@@ -643,10 +721,9 @@ int main(int argc, char** argv) {
   json["tensor_flops_per_s"] = ceilings.tensor_flops_per_s;
   json["rows"] = nlohmann::json::array();
   std::string md =
-      "| H | Q | L | B | us | floor us | % roofline | GB/s | TFLOP/s | kernel | rows/tile | NSPLIT "
-      "| "
-      "waves | best swept NSPLIT (us) | other wgmma kernel us | chain us | seed-style us | cuBLAS "
-      "us |\n"
+      "| H | Q | L | B | us | floor us | % roofline | overlapped us | overlapped % | GB/s | "
+      "TFLOP/s | kernel | rows/tile | NSPLIT | waves | best swept NSPLIT (us) | other "
+      "wgmma kernel us | chain us | seed-style us | cuBLAS us |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Row& r : rows) {
     nlohmann::json j = {{"heads", r.shape.heads},
@@ -686,6 +763,25 @@ int main(int argc, char** argv) {
           (r.chain_us > 0 ? Fmt("%.1f", r.chain_us) : "") + " | " +
           (r.seed_us > 0 ? Fmt("%.1f", r.seed_us) : "") + " | " +
           (r.cublas_us > 0 ? Fmt("%.1f", r.cublas_us) : "") + " |\n";
+  }
+  md +=
+      "\nWhat a launch costs in this harness (batch 1, the same graphs and KV rotation): the "
+      "streaming probe reads the KV bytes with 16-byte loads and does nothing else.\n\n"
+      "| L | floor us | read us | % of floor | read + empty kernel us | % of floor | empty kernel "
+      "us |\n|---|---|---|---|---|---|---|\n";
+  json["launch_probes"] = nlohmann::json::array();
+  for (const LaunchProbe& probe : probes) {
+    const double floor_us = probe.context * 576 * 2 / ceilings.copy_bytes_per_s * 1e6;
+    json["launch_probes"].push_back({{"context", probe.context},
+                                     {"floor_us", floor_us},
+                                     {"read_us", probe.read_us},
+                                     {"read_then_empty_us", probe.read_then_empty_us},
+                                     {"empty_us", probe.empty_us}});
+    md += "| " + std::to_string(probe.context) + " | " + Fmt("%.1f", floor_us) + " | " +
+          Fmt("%.1f", probe.read_us) + " | " + Fmt("%.1f", 100 * floor_us / probe.read_us) + " | " +
+          Fmt("%.1f", probe.read_then_empty_us) + " | " +
+          Fmt("%.1f", 100 * floor_us / probe.read_then_empty_us) + " | " +
+          Fmt("%.1f", probe.empty_us) + " |\n";
   }
   std::ofstream(out_dir + "/mla_verify.json") << json.dump(1) << "\n";
   std::ofstream(out_dir + "/mla_verify.md") << md;

@@ -11,9 +11,10 @@
 namespace treeverify::kernels::cuda::mla {
 
 // Merges the splits of each packed row by log-sum-exp. A block takes one row and 64 of its
-// dims: 8 groups of 16 threads stride over the splits (several partial loads in flight per
-// thread), then the groups' sums are added in group order, so the result depends on NSPLIT only.
-inline constexpr int kCombineThreads = 128;
+// dims: 16 groups of 16 threads stride over the splits (up to 9 partial loads in flight per
+// thread, so up to 144 splits take one memory round trip), then the groups' sums are added in
+// group order, so the result depends on NSPLIT only.
+inline constexpr int kCombineThreads = 256;
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineGroups = kCombineThreads / (kCombineDims / 4);
 inline constexpr int kMaxSplits = 256;
@@ -25,10 +26,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float warp_max[kCombineThreads / 32];
   __shared__ float warp_sum[kCombineThreads / 32];
   AllowDependentGridLaunch();
-  WaitForPredecessorGrid();  // the split kernel's partial results
   const int seq = blockIdx.z;
   const int row = blockIdx.x;
+  // Lengths and offsets were written before the split kernel started: read them while it runs.
   const SequenceSpan span = LoadSequence(p, seq);
+  WaitForPredecessorGrid();  // the split kernel's partial results
   const int heads = p.num_heads;
   if (row >= span.rows * heads) return;
   const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
@@ -66,9 +68,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int group = tid / (kCombineDims / 4);
   const int d0 = blockIdx.y * kCombineDims + (tid % (kCombineDims / 4)) * 4;
   const int latent = p.latent_dim;
-  // Eight 16-byte loads in flight per thread before any is used: a loop that waited for each
+  // Nine 16-byte loads in flight per thread before any is used: a loop that waited for each
   // partial in turn spent a memory latency per split (10.9 us for 120 splits, measured).
-  constexpr int kInFlight = 8;
+  constexpr int kInFlight = 9;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (d0 < latent) {
     for (int s0 = group; s0 < splits; s0 += kCombineGroups * kInFlight) {

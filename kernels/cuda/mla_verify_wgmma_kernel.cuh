@@ -12,10 +12,11 @@
 // Roles. Warpgroup 2 gives its registers to the consumers; one of its threads is the producer
 // (ProduceTiles): the first tiles of the committed prefix, the row tile's queries, then the
 // split's remaining 64-key tiles into two stages, in TMA boxes of gcd(64, page_size) keys (pages
-// in any order). Warpgroups 0 and 1 are consumers that take the tiles in turn (tile i goes to
-// warpgroup i % 2, in stage i % 2), each with its own online softmax and accumulators; at the
-// end warpgroup 1 hands its (max, sum, O) to warpgroup 0 through shared memory, which merges
-// them and writes either the final output (one split) or the split's partial result.
+// in any order). Warpgroups 0 and 1 are consumers that both work on every tile, so that one tile
+// is computed while the next lands: each computes S^T over its half of the 576 dims (its four
+// value chunks and half of the rope chunk), the halves are added through shared memory, both run
+// the same online softmax, and each accumulates its 256 of the 512 value dims. They then write
+// either the final output (one split) or the split's partial result.
 //
 // Masks. Only tiles that reach past the committed prefix look at ancestor bitmasks; keys past the
 // sequence's end score -inf, and their rows in shared memory are zeroed so that stale or
@@ -40,20 +41,21 @@ inline constexpr int kWgmmaThreads = 384;  // consumer WGs 0 and 1, producer WG 
 inline constexpr int kStageBytes = kWgmmaChunks * kMlaKeyTile * 128;  // 73728
 inline constexpr int kOutStride = kWgmmaLatent + 4;                   // staging row, in floats
 inline constexpr int kEpilogueBarrier = 3;  // named barrier of the epilogue (all threads)
+inline constexpr int kScoresBarrier = 4;    // the narrow kernel's two consumer warpgroups
 
 template <int kRows>
 struct WgmmaSmem {
+  static constexpr int kScoreRegs = kRows / 2;  // a consumer thread's share of S^T
   static constexpr int kQ = 2 * kStageBytes;
   static constexpr int kProbs = kQ + kWgmmaChunks * kRows * 128;  // P^T per consumer WG
   static constexpr int kReduce = kProbs + 2 * kRows * 128;        // [WG][warp][row] floats
-  static constexpr int kHandoff = kReduce + 2 * 4 * kRows * 4;    // WG1's (max, sum) per row
-  static constexpr int kLse = kHandoff + 2 * kRows * 4;
+  // Partial scores, [tile parity][WG][register][thread] floats.
+  static constexpr int kExchange = kReduce + 2 * 4 * kRows * 4;
+  static constexpr int kLse = kExchange + 2 * 2 * kScoreRegs * 128 * 4;
   static constexpr int kBarriers = kLse + kRows * 4;  // full[2], empty[2], q
   static constexpr int kEnd = kBarriers + 5 * 8;
   static constexpr int kBytes = kEnd + 1024;  // slack to align the base to 1024
   static_assert(kRows * kOutStride * 4 <= kStageBytes, "output staging must fit in a stage");
-  static_assert((kWgmmaLatent / 64) * (kRows / 2) * 128 * 4 <= kStageBytes,
-                "WG1's accumulators must fit in a stage");
 };
 
 struct WgmmaArgs {
@@ -155,12 +157,14 @@ __device__ inline void InitStageBarriers(uint64_t* full, uint64_t* q_ready, int 
   sm90::FenceBarrierInit();
 }
 
-// Zeroes key rows valid..63 of a stage in every chunk (whole rows: swizzle-agnostic), by the 128
-// threads of one warpgroup, and orders the stores before wgmma reads them; the caller then
-// synchronizes the warpgroup.
-__device__ inline void ZeroRowsFrom(uint8_t* stage_smem, int valid, int tid) {
+// Zeroes key rows valid..63 of a stage in `chunks` chunks from `first_chunk` (whole rows:
+// swizzle-agnostic), by the 128 threads of one warpgroup, and orders the stores before wgmma reads
+// them; the caller then synchronizes the warpgroup.
+__device__ inline void ZeroRowsFrom(uint8_t* stage_smem, int valid, int tid, int first_chunk = 0,
+                                    int chunks = kWgmmaChunks) {
   const int units = (kMlaKeyTile - valid) * 8;  // 16-byte units per chunk
-  for (int u = tid; u < units * kWgmmaChunks; u += 128) {
+  stage_smem += first_chunk * kMlaKeyTile * 128;
+  for (int u = tid; u < units * chunks; u += 128) {
     reinterpret_cast<uint4*>(stage_smem + (u / units) * kMlaKeyTile * 128 +
                              valid * 128)[u % units] = make_uint4(0, 0, 0, 0);
   }
@@ -276,7 +280,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const SplitTiles tiles = work.tiles;
   const int num_tiles = tiles.end - tiles.begin;
 
-  if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 128);  // one WG reads a tile
+  if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 256);  // both WGs read every tile
   __syncthreads();
   AllowDependentGridLaunch();  // the merge kernel may take its place in the queue now
 
@@ -288,27 +292,35 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   }
 
   // ---- consumers ----
+  // Both warpgroups work on every tile: each computes S^T over half of the 576 dims, the halves
+  // are added through shared memory (fp32 addition commutes, so both hold the same scores), each
+  // runs the same online softmax on them and accumulates its own 256 of the 512 value dims. So one
+  // tile is in the tensor cores while the next one lands in the other stage.
   sm90::IncreaseRegisters<232>();
   const int wg = warp / 4;       // which consumer warpgroup
   const int wg_warp = warp % 4;  // warp within it: keys 16 * wg_warp .. + 15 of a tile
   const int tid = threadIdx.x % 128;
   const int quad = lane % 4;
-  uint8_t* stage_smem = smem + wg * kStageBytes;
   const uint8_t* q_smem = smem + Layout::kQ;
   uint8_t* probs = smem + Layout::kProbs + wg * kRows * 128;
   float* reduce = reinterpret_cast<float*>(smem + Layout::kReduce) + wg * 4 * kRows;
+  float* exchange = reinterpret_cast<float*>(smem + Layout::kExchange);
   const float scale = p.softmax_scale * 1.4426950408889634f;  // scores in the log2 domain
   const uint64_t* mask =
       p.ancestor_mask + static_cast<int64_t>(span.row_begin) * kAncestorMaskWords;
+  constexpr int kScoreSteps = kWgmmaChunks * 4 / 2;  // k16 steps of S^T per warpgroup
+  static_assert(kScoreSteps == 18, "4 value chunks and half of the rope chunk per warpgroup");
+  constexpr int kValueBlocks = kWgmmaLatent / 64 / 2;  // m64 blocks of O^T per warpgroup
 
-  // Accumulator element (j, h, e) of a thread: key 16 * wg_warp + lane / 4 + 8 * h of the tile,
-  // packed row 8 * j + 2 * quad + e of the row tile; register index 4 * j + 2 * h + e.
-  float o[kWgmmaLatent / 64][kAcc];
+  // Accumulator element (j, h, e) of a thread: key 16 * wg_warp + lane / 4 + 8 * h of the tile
+  // (value dim 256 * wg + 64 * mb + that for O^T), packed row 8 * j + 2 * quad + e of the row tile;
+  // register index 4 * j + 2 * h + e.
+  float o[kValueBlocks][kAcc];
   float s[kAcc];
   float m_col[kColsPerThread];
   float l_col[kColsPerThread];
 #pragma unroll
-  for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+  for (int mb = 0; mb < kValueBlocks; ++mb) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) o[mb][i] = 0.f;
   }
@@ -319,31 +331,43 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   }
 
   sm90::MbarrierWait(q_ready, 0);
-  for (int i = wg; i < num_tiles; i += 2) {
-    sm90::MbarrierWait(&full[wg], (i >> 1) & 1);
+  for (int i = 0; i < num_tiles; ++i) {
+    const int stage = i & 1;
+    const uint8_t* stage_smem = smem + stage * kStageBytes;
+    sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
     if (i == 0 && threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
     const int valid = min(kMlaKeyTile, keys - key0);
     if (valid < kMlaKeyTile) {
-      ZeroRowsFrom(stage_smem, valid, tid);
+      // Rows past the end meet P = 0 in this warpgroup's value chunks, which only it reads: they
+      // must not hold NaN. (Their scores are masked whatever the chunks hold.)
+      ZeroRowsFrom(smem + stage * kStageBytes, valid, tid, wg * kValueBlocks, kValueBlocks);
       WarpgroupBarrier(wg);
     }
 
-    // S^T = K * Q^T over 36 k16 steps.
+    // This warpgroup's half of S^T = K * Q^T: its own four value chunks and half of the rope one.
     sm90::WgmmaFence();
 #pragma unroll
-    for (int c = 0; c < kWgmmaChunks; ++c) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint64_t a =
-            sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
-        const uint64_t b = sm90::MakeSmemDescriptor(q_smem + c * kRows * 128 + k * 32, 16, 1024);
-        sm90::Wgmma<kRows, 0>::Run(s, a, b, (c | k) != 0);
-      }
+    for (int t = 0; t < kScoreSteps; ++t) {
+      const int c = t < 16 ? kValueBlocks * wg + t / 4 : kWgmmaChunks - 1;
+      const int k = t < 16 ? t % 4 : 2 * wg + (t - 16);
+      const uint64_t a =
+          sm90::MakeSmemDescriptor(stage_smem + c * kMlaKeyTile * 128 + k * 32, 16, 1024);
+      const uint64_t b = sm90::MakeSmemDescriptor(q_smem + c * kRows * 128 + k * 32, 16, 1024);
+      sm90::Wgmma<kRows, 0>::Run(s, a, b, t != 0);
     }
     sm90::WgmmaCommit();
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(s);
+    // The other half from the other warpgroup (same fragment layout, same thread index). One
+    // buffer per tile parity: a warpgroup writes this parity's again only after the barrier of
+    // the next tile, which the other passes only after reading.
+    float* halves = exchange + (i & 1) * 2 * kAcc * 128;
+#pragma unroll
+    for (int r = 0; r < kAcc; ++r) halves[(wg * kAcc + r) * 128 + tid] = s[r];
+    sm90::NamedBarrier<kScoresBarrier, 256>();
+#pragma unroll
+    for (int r = 0; r < kAcc; ++r) s[r] += halves[((1 - wg) * kAcc + r) * 128 + tid];
 
     // Scale, mask, and the tile's max per packed row.
     const int key_a = key0 + 16 * wg_warp + lane / 4;  // h = 0; h = 1 is key_a + 8
@@ -397,9 +421,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     sm90::FenceProxyAsync();
     WarpgroupBarrier(wg);
 
-    // O^T = alpha * O^T + V^T * P^T.
+    // This warpgroup's value dims: O^T = alpha * O^T + V^T * P^T.
 #pragma unroll
-    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+    for (int mb = 0; mb < kValueBlocks; ++mb) {
 #pragma unroll
       for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
@@ -411,11 +435,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
     sm90::WgmmaFence();
 #pragma unroll
-    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+    for (int mb = 0; mb < kValueBlocks; ++mb) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const uint64_t a = sm90::MakeSmemDescriptor(
-            stage_smem + mb * kMlaKeyTile * 128 + k * 16 * 128, kMlaKeyTile * 128, 1024);
+            stage_smem + (kValueBlocks * wg + mb) * kMlaKeyTile * 128 + k * 16 * 128,
+            kMlaKeyTile * 128, 1024);
         const uint64_t b = sm90::MakeSmemDescriptor(probs + k * 32, 16, 1024);
         sm90::Wgmma<kRows, 1>::Run(o[mb], a, b, 1);
       }
@@ -423,66 +448,38 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     sm90::WgmmaCommit();
     sm90::WgmmaWait<0>();
 #pragma unroll
-    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) sm90::FenceRegisters(o[mb]);
-    sm90::MbarrierArrive(&empty[wg]);
+    for (int mb = 0; mb < kValueBlocks; ++mb) sm90::FenceRegisters(o[mb]);
+    sm90::MbarrierArrive(&empty[stage]);
   }
 
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
-  // ---- epilogue: total sums, warpgroup merge, output ----
+  // ---- epilogue: total sums (the same in both warpgroups), output ----
   float l_total[kColsPerThread];
 #pragma unroll
   for (int ci = 0; ci < kColsPerThread; ++ci) l_total[ci] = l_col[ci];
   CombineColumns<kRows>(l_total, reduce, wg, wg_warp, lane, [](float a, float b) { return a + b; });
-  float* handoff = reinterpret_cast<float*>(smem + Layout::kHandoff);  // [max | sum][row]
-  float* handoff_o = reinterpret_cast<float*>(smem + kStageBytes);     // WG1's accumulators
-  if (wg == 1) {
-    if (wg_warp == 0 && lane < 4) {
-#pragma unroll
-      for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          handoff[8 * j + 2 * quad + e] = m_col[2 * j + e];
-          handoff[kRows + 8 * j + 2 * quad + e] = l_total[2 * j + e];
-        }
-      }
-    }
-#pragma unroll
-    for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) handoff_o[(mb * kAcc + i) * 128 + tid] = o[mb][i];
-    }
-  }
+  // Both warpgroups are past their last tile: stage 0 is free for the staging rows.
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
   float* staging = reinterpret_cast<float*>(smem);  // [row][kOutStride], in stage 0
   float* lse_out = reinterpret_cast<float*>(smem + Layout::kLse);
-  if (wg == 0) {
 #pragma unroll
-    for (int j = 0; j < kRows / 8; ++j) {
+  for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * quad + e;
-        const int ci = 2 * j + e;
-        const float m1 = handoff[col];
-        const float l1 = handoff[kRows + col];
-        const float m = fmaxf(m_col[ci], m1);
-        const float m_use = m == -INFINITY ? 0.f : m;
-        const float a0 = exp2f(m_col[ci] - m_use);
-        const float a1 = exp2f(m1 - m_use);
-        const float l = a0 * l_total[ci] + a1 * l1;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * j + 2 * quad + e;
+      const int ci = 2 * j + e;
+      const float l = l_total[ci];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-        for (int mb = 0; mb < kWgmmaLatent / 64; ++mb) {
+      for (int mb = 0; mb < kValueBlocks; ++mb) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = 4 * j + 2 * h + e;
-            const float merged =
-                (a0 * o[mb][i] + a1 * handoff_o[(mb * kAcc + i) * 128 + tid]) * inv;
-            staging[col * kOutStride + mb * 64 + 16 * wg_warp + lane / 4 + 8 * h] = merged;
-          }
+        for (int h = 0; h < 2; ++h) {
+          staging[col * kOutStride + 256 * wg + mb * 64 + 16 * wg_warp + lane / 4 + 8 * h] =
+              o[mb][4 * j + 2 * h + e] * inv;
         }
-        if (wg_warp == 0 && lane < 4) {
-          lse_out[col] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-        }
+      }
+      if (wg == 0 && wg_warp == 0 && lane < 4) {
+        lse_out[col] = l > 0.f ? (m_col[ci] + log2f(l)) * 0.6931471805599453f : -INFINITY;
       }
     }
   }
