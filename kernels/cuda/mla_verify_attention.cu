@@ -18,6 +18,11 @@ namespace treeverify::kernels::cuda {
 namespace {
 
 constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiations (N of wgmma)
+// kAuto takes the narrow kernel while it needs at most this many row tiles of a sequence (each
+// re-reads the keys): measured on the H200, 3 narrow tiles of 24 beat two 64-row wide tiles at
+// H=8, Q=9 (72 rows), 4 narrow tiles of 32 lose to the wide kernel at 128 rows
+// (bench/NOTES.md, step 17).
+constexpr int64_t kMaxAutoNarrowRows = 3 * 32;
 
 // The wgmma kernels share one signature; the narrow one is instantiated per row tile.
 using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);
@@ -164,8 +169,8 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
     choice = MlaVerifyKernel::kSimt;
   }
   if (choice == MlaVerifyKernel::kAuto) {
-    choice = packed_rows <= kRowTiles[std::size(kRowTiles) - 1] ? MlaVerifyKernel::kWgmmaNarrow
-                                                                : MlaVerifyKernel::kWgmmaWide;
+    choice = packed_rows <= kMaxAutoNarrowRows ? MlaVerifyKernel::kWgmmaNarrow
+                                               : MlaVerifyKernel::kWgmmaWide;
   }
   plan.kernel = choice;
   if (choice == MlaVerifyKernel::kWgmmaNarrow || choice == MlaVerifyKernel::kWgmmaWide) {
