@@ -18,11 +18,11 @@ namespace treeverify::kernels::cuda {
 namespace {
 
 constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiations (N of wgmma)
-// kAuto takes the narrow kernel while it needs at most this many row tiles of a sequence (each
-// re-reads the keys): measured on the H200, 3 narrow tiles of 24 beat two 64-row wide tiles at
-// H=8, Q=9 (72 rows), 4 narrow tiles of 32 lose to the wide kernel at 128 rows
-// (bench/NOTES.md, step 17).
-constexpr int64_t kMaxAutoNarrowRows = 3 * 32;
+// kAuto takes the narrow kernel for sequences of at most one narrow row tile. Each row tile
+// re-reads the keys: at H=8, Q=9 (72 rows) three narrow tiles of 24 and two wide tiles of 64 ran
+// within 2 % of each other at batch 1 from L=16k (narrow 13 % faster at 4k), but the narrow ones
+// lost 5-15 % at batch 8 and 32 (bench/NOTES.md, step 17).
+constexpr int64_t kMaxAutoNarrowRows = 32;
 
 // The wgmma kernels share one signature; the narrow one is instantiated per row tile.
 using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);

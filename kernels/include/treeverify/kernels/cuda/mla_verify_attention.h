@@ -57,9 +57,8 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
 struct MlaVerifyOptions {
   int32_t min_split_keys = 64;  // a split never covers fewer keys (unless T is smaller)
   int32_t forced_nsplit = 0;    // > 0: use this NSPLIT (benchmarks sweep it)
-  // kAuto: narrow row tiles up to 96 packed rows per sequence (at most 3 tiles), wide ones
-  // above; kSimt where wgmma cannot run. Anything else forces that kernel (benchmarks, tests);
-  // kSimt always runs.
+  // kAuto: narrow row tiles up to 32 packed rows per sequence, wide ones above; kSimt where wgmma
+  // cannot run. Anything else forces that kernel (benchmarks, tests); kSimt always runs.
   MlaVerifyKernel kernel = MlaVerifyKernel::kAuto;
   // Launch the split kernel with programmatic dependent launch, so that it starts streaming the
   // committed prefix while the previous kernel in the stream finishes. Contract: the page table,
