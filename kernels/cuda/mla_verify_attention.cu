@@ -97,6 +97,44 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
   return attributes.binaryVersion == 90;
 }
 
+// The merge kernel's block for `nsplit` splits: groups of 16 threads (at least a warp, at most 16
+// groups) and the splits each group loads at once, powers of two covering nsplit.
+using CombineKernelFn = void (*)(MlaVerifyParamsBf16, mla::PartialLayout, int32_t);
+struct CombineVariant {
+  CombineKernelFn kernel;
+  int threads;
+};
+
+template <int kGroups, int kPerGroup>
+CombineVariant Combine() {
+  return {&mla::MlaVerifyCombineKernel<kGroups, kPerGroup>, kGroups * mla::kCombineThreadsPerGroup};
+}
+
+CombineVariant CombineVariantFor(int32_t nsplit) {
+  int groups = 2;
+  while (groups < mla::kMaxCombineGroups && groups < nsplit) groups *= 2;
+  int per_group = 1;
+  while (groups * per_group < nsplit) per_group *= 2;
+  switch (groups * 100 + per_group) {
+    case 201:
+      return Combine<2, 1>();
+    case 401:
+      return Combine<4, 1>();
+    case 801:
+      return Combine<8, 1>();
+    case 1601:
+      return Combine<16, 1>();
+    case 1602:
+      return Combine<16, 2>();
+    case 1604:
+      return Combine<16, 4>();
+    case 1608:
+      return Combine<16, 8>();
+    default:
+      return Combine<16, 16>();
+  }
+}
+
 int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
   if (options.forced_nsplit > 0) return std::min(options.forced_nsplit, mla::kMaxSplits);
   // One full wave: as many splits as it takes to give every resident block slot one block.
@@ -273,9 +311,10 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         static_cast<unsigned>(packed_rows),
         static_cast<unsigned>(mla::CeilDiv(shape.latent_dim, mla::kCombineDims)),
         static_cast<unsigned>(shape.num_seqs));
-    TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyCombineKernel, combine_grid, mla::kCombineThreads, 0,
-                              stream, /*overlap=*/true, "MLA verify combine kernel launch", p,
-                              partial, plan.min_split_keys));
+    const CombineVariant combine = CombineVariantFor(plan.nsplit);
+    TV_RETURN_IF_ERROR(Launch(combine.kernel, combine_grid, combine.threads, 0, stream,
+                              /*overlap=*/true, "MLA verify combine kernel launch", p, partial,
+                              plan.min_split_keys));
   }
   return absl::OkStatus();
 }

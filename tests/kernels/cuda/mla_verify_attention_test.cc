@@ -338,6 +338,22 @@ TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
   }
 }
 
+// The merge kernel's block follows NSPLIT (from one warp with a split per group to 256 threads
+// with 16 splits per group): one of each size, on a context long enough for many real splits.
+TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
+  std::mt19937 rng(2024);
+  BatchSpec spec;
+  spec.heads = 8;
+  spec.page_size = 64;
+  spec.committed = {16000};
+  spec.parents = {RandomTree(5, rng)};
+  Problem problem(spec, rng);
+  for (int nsplit : {2, 4, 8, 16, 32, 64, 128, 256}) {
+    SCOPED_TRACE(testing::Message() << "nsplit " << nsplit);
+    RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit});
+  }
+}
+
 TEST_F(CudaMlaVerifyTest, PortableKernelAtProductionDims) {
   std::mt19937 rng(11);
   BatchSpec spec;
