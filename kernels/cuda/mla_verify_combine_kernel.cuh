@@ -14,7 +14,7 @@ namespace treeverify::kernels::cuda::mla {
 // dims; its kGroups groups of 16 threads take splits g, g + kGroups, ... (kPerGroup each).
 // Every thread issues all its loads, split LSEs and 16-byte partial outputs alike, before it uses
 // any: one memory round trip after the split kernel, not one for the LSEs and another for the
-// partials. The launcher sizes (kGroups, kPerGroup) to NSPLIT (CombineShapeFor): few splits give
+// partials. The launcher sizes (kGroups, kPerGroup) to NSPLIT (CombineVariantFor): few splits give
 // small, light blocks, as many batches need; many splits give 256 threads with up to 16 loads in
 // flight each. Group sums are added in group order, so the result depends on NSPLIT only.
 inline constexpr int kCombineDims = 64;  // dims per block
