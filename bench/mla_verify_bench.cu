@@ -218,18 +218,19 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
 // shape of a split kernel plus its merge), and of an empty kernel alone.
 struct LaunchProbe {
   int64_t context;
+  double floor_us;  // the KV bytes at the copy bandwidth
   double read_us;
   double read_then_empty_us;
   double empty_us;
 };
 
-std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms,
+std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const Ceilings& ceilings,
                                              const std::vector<int64_t>& contexts) {
   std::vector<LaunchProbe> probes;
   uint32_t* sink;
   CHECK_CUDA(cudaMalloc(&sink, 4));
   for (int64_t context : contexts) {
-    const int64_t bytes = context * 576 * 2;
+    const int64_t bytes = context * kDims * 2;
     const int copies =
         static_cast<int>(std::clamp<int64_t>((kRotationBytes + bytes - 1) / bytes, 2, 64));
     __nv_bfloat16* data;
@@ -250,7 +251,8 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms,
       CHECK_CUDA(cudaGraphExecDestroy(exec));
       return us;
     };
-    probes.push_back({context, time_per_launch(true, false), time_per_launch(true, true),
+    probes.push_back({context, bytes / ceilings.copy_bytes_per_s * 1e6,
+                      time_per_launch(true, false), time_per_launch(true, true),
                       time_per_launch(false, true)});
     CHECK_CUDA(cudaFree(data));
   }
@@ -588,9 +590,9 @@ int main(int argc, char** argv) {
       ceilings.tensor_flops_per_s / 1e12);
 
   const std::vector<LaunchProbe> probes =
-      MeasureLaunchProbes(stream, device->multiprocessors, {4096, 16384, 46000, 131072});
+      MeasureLaunchProbes(stream, device->multiprocessors, ceilings, {4096, 16384, 46000, 131072});
   for (const LaunchProbe& probe : probes) {
-    const double floor_us = probe.context * 576 * 2 / ceilings.copy_bytes_per_s * 1e6;
+    const double floor_us = probe.floor_us;
     std::printf(
         "probe L=%6lld: floor %5.1f us, read %5.1f us (%4.1f%%), read + empty kernel %5.1f us "
         "(%4.1f%%), empty kernel %4.1f us\n",
@@ -771,7 +773,7 @@ int main(int argc, char** argv) {
       "us |\n|---|---|---|---|---|---|---|\n";
   json["launch_probes"] = nlohmann::json::array();
   for (const LaunchProbe& probe : probes) {
-    const double floor_us = probe.context * 576 * 2 / ceilings.copy_bytes_per_s * 1e6;
+    const double floor_us = probe.floor_us;
     json["launch_probes"].push_back({{"context", probe.context},
                                      {"floor_us", floor_us},
                                      {"read_us", probe.read_us},

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <bit>
 #include <numeric>
 #include <utility>
 
@@ -98,7 +99,8 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
 }
 
 // The merge kernel's block for `nsplit` splits: groups of 16 threads (at least a warp, at most 16
-// groups) and the splits each group loads at once, powers of two covering nsplit.
+// groups) and the splits each group loads at once, powers of two covering nsplit. Entry i serves
+// NSPLIT up to 2^(i + 1).
 using CombineKernelFn = void (*)(MlaVerifyParamsBf16, mla::PartialLayout, int32_t);
 struct CombineVariant {
   CombineKernelFn kernel;
@@ -106,33 +108,18 @@ struct CombineVariant {
 };
 
 template <int kGroups, int kPerGroup>
-CombineVariant Combine() {
+constexpr CombineVariant Combine() {
   return {&mla::MlaVerifyCombineKernel<kGroups, kPerGroup>, kGroups * mla::kCombineThreadsPerGroup};
 }
 
+constexpr CombineVariant kCombineVariants[] = {Combine<2, 1>(),  Combine<4, 1>(),  Combine<8, 1>(),
+                                               Combine<16, 1>(), Combine<16, 2>(), Combine<16, 4>(),
+                                               Combine<16, 8>(), Combine<16, 16>()};
+static_assert(std::size(kCombineVariants) == std::bit_width(unsigned{mla::kMaxSplits - 1}));
+
 CombineVariant CombineVariantFor(int32_t nsplit) {
-  int groups = 2;
-  while (groups < mla::kMaxCombineGroups && groups < nsplit) groups *= 2;
-  int per_group = 1;
-  while (groups * per_group < nsplit) per_group *= 2;
-  switch (groups * 100 + per_group) {
-    case 201:
-      return Combine<2, 1>();
-    case 401:
-      return Combine<4, 1>();
-    case 801:
-      return Combine<8, 1>();
-    case 1601:
-      return Combine<16, 1>();
-    case 1602:
-      return Combine<16, 2>();
-    case 1604:
-      return Combine<16, 4>();
-    case 1608:
-      return Combine<16, 8>();
-    default:
-      return Combine<16, 16>();
-  }
+  const int covering_power = std::bit_width(static_cast<unsigned>(std::max(nsplit, 2) - 1));
+  return kCombineVariants[std::min<size_t>(covering_power - 1, std::size(kCombineVariants) - 1)];
 }
 
 int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
