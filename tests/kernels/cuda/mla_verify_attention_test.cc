@@ -354,6 +354,35 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   }
 }
 
+// Every row tile of the narrow kernel (8..32 packed rows, one instantiation each), each as the
+// only row tile of its sequences: TP8 trees of 1..4 nodes, and 3 heads whose rows pad the tile.
+// Contexts end inside a tile and a page, on pages of 48 keys (TMA boxes of 16).
+TEST_F(CudaMlaVerifyTest, EveryNarrowRowTile) {
+  if (!HasWgmma()) GTEST_SKIP() << "the narrow kernel needs sm_90a";
+  std::mt19937 rng(32);
+  for (int rows = 8; rows <= 32; rows += 8) {
+    for (int heads : {8, 3}) {
+      const int nodes = heads == 8 ? rows / 8 : (rows - 1) / 3;  // 3 heads: 2..10 nodes
+      BatchSpec spec;
+      spec.heads = heads;
+      spec.page_size = 48;
+      spec.committed = {3000 + static_cast<int>(rng() % 1000), static_cast<int>(rng() % 200)};
+      spec.parents = {RandomTree(nodes, rng), RandomTree(std::max(1, nodes - 1), rng)};
+      Problem problem(spec, rng);
+      SCOPED_TRACE(testing::Message() << "rows " << rows << " heads " << heads);
+      for (int nsplit : {1, 7}) {
+        const MlaVerifyPlan plan =
+            RunAndCompare(problem, {.min_split_keys = 64,
+                                    .forced_nsplit = nsplit,
+                                    .kernel = MlaVerifyKernel::kWgmmaNarrow});
+        EXPECT_EQ(plan.kernel, MlaVerifyKernel::kWgmmaNarrow);
+        EXPECT_EQ(plan.row_tile, rows);
+        EXPECT_EQ(plan.row_tiles, 1);
+      }
+    }
+  }
+}
+
 TEST_F(CudaMlaVerifyTest, PortableKernelAtProductionDims) {
   std::mt19937 rng(11);
   BatchSpec spec;
