@@ -190,25 +190,34 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     if ((i & 1) == wg) {
       // Owner: s holds this tile's scores.
       const int key0 = (tiles.begin + i) * kMlaKeyTile;
-      const bool special = key0 + kMlaKeyTile > span.committed;
+#pragma unroll
+      for (int r = 0; r < 32; ++r) s[r] *= scale;
+      // Masks in a pass of their own, behind one branch: inside the loops below, a branch per
+      // score made the softmax of every tile three times slower (bench/NOTES.md, step 27).
+      if (key0 + kMlaKeyTile > span.committed) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int node = min(row0 + r_lo + 8 * h, rows - 1) / heads;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = key0 + 8 * j + 2 * quad + e;
+              if (key >= keys || !KeyVisible(mask, span.committed, node, key)) {
+                s[4 * j + 2 * h + e] = -INFINITY;
+              }
+            }
+          }
+        }
+      }
       float alpha[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = min(row0 + r_lo + 8 * h, rows - 1);
-        const int node = row / heads;
         float tile_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * j + 2 * h + e];
-            x *= scale;
-            if (special) {
-              const int key = key0 + 8 * j + 2 * quad + e;
-              if (key >= keys || !KeyVisible(mask, span.committed, node, key)) x = -INFINITY;
-            }
-            tile_max = fmaxf(tile_max, x);
-          }
+          for (int e = 0; e < 2; ++e) tile_max = fmaxf(tile_max, s[4 * j + 2 * h + e]);
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));

@@ -369,22 +369,23 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 #pragma unroll
     for (int r = 0; r < kAcc; ++r) s[r] += halves[((1 - wg) * kAcc + r) * 128 + tid];
 
-    // Scale, mask, and the tile's max per packed row.
-    const int key_a = key0 + 16 * wg_warp + lane / 4;  // h = 0; h = 1 is key_a + 8
-    const bool special = key0 + kMlaKeyTile > span.committed;
+      // Scale, mask (in a pass of its own behind one branch, not a branch per score: step 27 of
+      // bench/NOTES.md), and the tile's max per packed row.
 #pragma unroll
-    for (int j = 0; j < kRows / 8; ++j) {
+    for (int r = 0; r < kAcc; ++r) s[r] *= scale;
+    if (key0 + kMlaKeyTile > span.committed) {
+      const int key_a = key0 + 16 * wg_warp + lane / 4;  // h = 0; h = 1 is key_a + 8
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * j + 2 * h + e];
-          x *= scale;
-          if (special) {
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
             const int key = key_a + 8 * h;
-            const int row = row0 + 8 * j + 2 * quad + e;
-            const int node = min(row, rows - 1) / heads;
-            if (key >= keys || !KeyVisible(mask, span.committed, node, key)) x = -INFINITY;
+            const int node = min(row0 + 8 * j + 2 * quad + e, rows - 1) / heads;
+            if (key >= keys || !KeyVisible(mask, span.committed, node, key)) {
+              s[4 * j + 2 * h + e] = -INFINITY;
+            }
           }
         }
       }
