@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   // Tiles alternate between the warpgroups: the owner of tile i (warpgroup i % 2) computes its
   // scores and softmax and publishes P, alpha and the new row max and sum ("ready"); both then
-  // multiply P by their half of V. The owner computes the scores of its next tile (i + 2) right
-  // after: the tensor cores work on them while the other warpgroup does the softmax of i + 1.
+  // multiply P by their half of V. A warpgroup computes the scores of its next tile (i + 2) after
+  // its part of the P*V of tile i + 1, which it does not own.
   sm90::MbarrierWait(q_ready, 0);
   if (wg < num_tiles) compute_scores(wg);
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
@@ -280,9 +280,6 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       sm90::WgmmaWait<0>();
       sm90::FenceRegisters(o);
       sm90::MbarrierArrive(&empty[stage]);
-      // The next tile this warpgroup owns, once this tile's stage is released (the producer
-      // refills it with tile i + 2 only after both warpgroups are done with tile i).
-      if (i + 2 < num_tiles) compute_scores(i + 2);
     } else {
       // Non-owner: P, alpha and the row statistics of tile i come from the owner.
       sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
@@ -306,6 +303,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       sm90::WgmmaWait<0>();
       sm90::FenceRegisters(o);
       sm90::MbarrierArrive(&empty[stage]);
+      // The scores of the next tile, which this warpgroup owns (tiles 0 and 1 were computed
+      // before the loop), only now: tile i + 1 reuses the stage of tile i - 1, which the producer
+      // refills once both warpgroups are done with it, and computing them right after this
+      // warpgroup's own P*V of tile i - 1 put that load's latency between this P*V of tile i and
+      // the stage release it makes (step 28 of bench/NOTES.md).
+      if (i + 1 < num_tiles && i + 1 >= 2) compute_scores(i + 1);
     }
   }
 
