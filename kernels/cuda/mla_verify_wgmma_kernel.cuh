@@ -369,10 +369,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 #pragma unroll
     for (int r = 0; r < kAcc; ++r) s[r] += halves[((1 - wg) * kAcc + r) * 128 + tid];
 
-      // Scale, mask (in a pass of its own behind one branch, not a branch per score: step 27 of
-      // bench/NOTES.md), and the tile's max per packed row.
 #pragma unroll
     for (int r = 0; r < kAcc; ++r) s[r] *= scale;
+    // Masks in a pass of their own, behind one branch, not a branch per score (bench/NOTES.md,
+    // step 27); then the tile's max per packed row.
     if (key0 + kMlaKeyTile > span.committed) {
       const int key_a = key0 + 16 * wg_warp + lane / 4;  // h = 0; h = 1 is key_a + 8
 #pragma unroll
