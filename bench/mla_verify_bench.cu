@@ -617,9 +617,12 @@ int main(int argc, char** argv) {
   }
   if (!only.empty()) shapes = only;
   auto sweep_shape = [](const Shape& s) {
-    return s.batch == 1 && (s.context == 16384 || s.context == 46000) &&
-           ((s.heads == 8 && (s.rows == 1 || s.rows == 9)) || (s.heads == 16 && s.rows == 16) ||
-            (s.heads == 64 && s.rows == 9) || (s.heads == 128 && s.rows == 1));
+    // Batch 1 in each regime, and one batch whose unsplit blocks fill half a wave.
+    const bool batch_one =
+        s.batch == 1 && (s.context == 16384 || s.context == 46000) &&
+        ((s.heads == 8 && (s.rows == 1 || s.rows == 9)) || (s.heads == 16 && s.rows == 16) ||
+         (s.heads == 64 && s.rows == 9) || (s.heads == 128 && s.rows == 1));
+    return batch_one || (s.batch == 8 && s.heads == 64 && s.rows == 9);
   };
   auto chain_shape = [](const Shape& s) {
     return s.batch == 1 && s.rows >= 9 && s.heads <= 16 && s.context >= 16384;
@@ -663,7 +666,7 @@ int main(int argc, char** argv) {
       WriteTimeline(w, *plan, workspace, stream, out_dir);
     }
     if (sweep_shape(shape)) {
-      for (int nsplit : {1, 2, 3, 4, 6, 8, 11, 16, 22, 33, 44, 66, 88, 132, 176, 256}) {
+      for (int nsplit : {1, 2, 3, 4, 5, 6, 8, 11, 16, 22, 33, 44, 66, 88, 132, 176, 256}) {
         absl::StatusOr<tvc::MlaVerifyPlan> forced =
             tvc::PlanMlaVerify(w.MlaShape(), *device, {.forced_nsplit = nsplit});
         CheckStatus(forced.status(), "plan");

@@ -124,9 +124,7 @@ CombineVariant CombineVariantFor(int32_t nsplit) {
 
 int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
   if (options.forced_nsplit > 0) return std::min(options.forced_nsplit, mla::kMaxSplits);
-  // One full wave: as many splits as it takes to give every resident block slot one block.
-  const int64_t splits = std::max<int64_t>(1, capacity / base_blocks);
-  return static_cast<int32_t>(std::min<int64_t>(splits, mla::kMaxSplits));
+  return ChooseSplitCount(base_blocks, capacity);
 }
 
 // Launches `kernel` on `stream`, as a programmatic dependent launch when `overlap` is set (the
@@ -169,6 +167,33 @@ std::string MlaVerifyPlan::ToString() const {
       "min_split_keys=%d smem=%d workspace=%d overlap=%d",
       MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
       min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0);
+}
+
+int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity) {
+  // The cost model, in units of one block's pass over a whole sequence: with n splits a block
+  // costs 1/n of a pass plus a fixed part: start, first tile and epilogue (1 %: about 5 us
+  // against the 500 us a 64-row block takes over 16k keys), and with n > 1 also writing its
+  // partial and its share of the merge (2 %). Blocks run in waves of `capacity`, so n splits
+  // cost ceil(base_blocks * n / capacity) waves of one block each; the fewest splits of the
+  // lowest cost win. Few base blocks get one full wave (n = capacity / base_blocks, as at batch
+  // 1); between that and many waves, a few nearly full waves instead of one wave with idle
+  // multiprocessors or a second wave that is mostly empty (bench/NOTES.md, step 32).
+  constexpr double kBlockFixedCost = 0.01;
+  constexpr double kPartialCost = 0.02;
+  base_blocks = std::max<int64_t>(base_blocks, 1);
+  capacity = std::max<int64_t>(capacity, 1);
+  int32_t best = 1;
+  double best_cost = 0;
+  for (int32_t n = 1; n <= mla::kMaxSplits; ++n) {
+    const int64_t waves = (base_blocks * n + capacity - 1) / capacity;
+    const double block_cost = 1.0 / n + kBlockFixedCost + (n > 1 ? kPartialCost : 0.0);
+    const double cost = static_cast<double>(waves) * block_cost;
+    if (n == 1 || cost < best_cost * (1 - 1e-9)) {
+      best = n;
+      best_cost = cost;
+    }
+  }
+  return best;
 }
 
 absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,

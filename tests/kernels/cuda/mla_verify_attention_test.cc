@@ -550,6 +550,33 @@ TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
   }
 }
 
+// The split count packs blocks into waves (host code, no GPU): few base blocks fill exactly one
+// wave; a batch whose base blocks fill most of a wave, or just overflow one, gets the splits that
+// make every wave but the last nearly full; many waves of one split each stay unsplit.
+TEST(MlaVerifySplitTest, SplitCountPacksWaves) {
+  constexpr int64_t kSlots = 132;
+  for (int64_t base : {1, 2, 3, 8, 16, 32}) {
+    EXPECT_EQ(ChooseSplitCount(base, kSlots), kSlots / base) << base << " base blocks";
+  }
+  // 72 = batch 8 x 9 row tiles (one split: 0.55 waves), 144 = batch 8 x 18 (1.09 waves).
+  for (int64_t base : {72, 96, 144, 288}) {
+    const int64_t nsplit = ChooseSplitCount(base, kSlots);
+    const int64_t blocks = base * nsplit;
+    const int64_t waves = (blocks + kSlots - 1) / kSlots;
+    EXPECT_GT(nsplit, 1) << base << " base blocks";
+    EXPECT_GE(static_cast<double>(blocks) / static_cast<double>(waves * kSlots), 0.8)
+        << base << " base blocks: " << nsplit << " splits in " << waves << " waves";
+  }
+  for (int64_t base : {128, 256, 1024, 4096}) {
+    EXPECT_EQ(ChooseSplitCount(base, kSlots), 1) << base << " base blocks";
+  }
+  for (int64_t base = 1; base <= 5000; base += 7) {
+    const int32_t nsplit = ChooseSplitCount(base, kSlots);
+    ASSERT_GE(nsplit, 1);
+    ASSERT_LE(nsplit, 256);
+  }
+}
+
 // Shape errors are caught on the host, before any device work (these run without a GPU).
 TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
   DeviceInfo device;

@@ -90,6 +90,12 @@ struct MlaVerifyPlan {
   std::string ToString() const;
 };
 
+// The planner's NSPLIT for `base_blocks` blocks per split (row tiles x sequences) on `capacity`
+// resident block slots (multiprocessors x blocks per multiprocessor): the count that finishes
+// the blocks' waves soonest, each block paying a small fixed cost (at most 256). Host code, no
+// GPU needed.
+int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity);
+
 absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
                                             const MlaVerifyOptions& options);
 
