@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -232,6 +233,23 @@ class DeviceProblem {
   DeviceBuffer<float> lse_;
 };
 
+// The largest errors any comparison saw, printed when the test program ends: the margin under
+// the tolerances, for whoever changes the kernels' numerics.
+struct WorstErrors : testing::Environment {
+  static inline double output = 0;
+  static inline double lse = 0;
+  void TearDown() override {
+    if (output > 0) {
+      std::printf(
+          "worst relative L2 output error %.2e (tolerance 8e-3), worst LSE error %.2e "
+          "(tolerance 2e-2)\n",
+          output, lse);
+    }
+  }
+};
+[[maybe_unused]] testing::Environment* const kWorstErrors =
+    testing::AddGlobalTestEnvironment(new WorstErrors);
+
 // Relative L2 error of the outputs and the largest log-sum-exp difference; every GPU value finite.
 void ExpectClose(const std::vector<float>& out, const std::vector<float>& lse,
                  const std::vector<float>& ref_out, const std::vector<float>& ref_lse) {
@@ -248,6 +266,8 @@ void ExpectClose(const std::vector<float>& out, const std::vector<float>& lse,
     if (!std::isfinite(lse[i])) ++non_finite;
     lse_err = std::max(lse_err, std::abs(double(lse[i]) - ref_lse[i]));
   }
+  WorstErrors::output = std::max(WorstErrors::output, std::sqrt(diff / norm));
+  WorstErrors::lse = std::max(WorstErrors::lse, lse_err);
   EXPECT_EQ(non_finite, 0) << "unwritten or NaN outputs";
   EXPECT_LT(std::sqrt(diff / norm), 8e-3) << "relative L2 error of the outputs";
   EXPECT_LT(lse_err, 2e-2) << "log-sum-exp";
