@@ -19,7 +19,6 @@ namespace treeverify::kernels::cuda::mla {
 // flight each. Group sums are added in group order, so the result depends on NSPLIT only.
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineThreadsPerGroup = kCombineDims / 4;
-inline constexpr int kMaxCombineGroups = 16;
 inline constexpr int kMaxSplits = 256;
 
 template <int kGroups, int kPerGroup>

@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   sm90::MbarrierWait(q_ready, 0);
   for (int i = 0; i < num_tiles; ++i) {
     const int stage = i & 1;
-    const uint8_t* stage_smem = smem + stage * kStageBytes;
+    uint8_t* stage_smem = smem + stage * kStageBytes;
     sm90::MbarrierWait(&full[stage], (i >> 1) & 1);
     if (i == 0 && threadIdx.x == 0) RecordTimestamp(args.timestamps, kFirstTile);
     const int key0 = (tiles.begin + i) * kMlaKeyTile;
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     if (valid < kMlaKeyTile) {
       // Rows past the end meet P = 0 in this warpgroup's value chunks, which only it reads: they
       // must not hold NaN. (Their scores are masked whatever the chunks hold.)
-      ZeroRowsFrom(smem + stage * kStageBytes, valid, tid, wg * kValueBlocks, kValueBlocks);
+      ZeroRowsFrom(stage_smem, valid, tid, wg * kValueBlocks, kValueBlocks);
       WarpgroupBarrier(wg);
     }
 
@@ -455,10 +455,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
   // ---- epilogue: total sums (the same in both warpgroups), output ----
-  float l_total[kColsPerThread];
-#pragma unroll
-  for (int ci = 0; ci < kColsPerThread; ++ci) l_total[ci] = l_col[ci];
-  CombineColumns<kRows>(l_total, reduce, wg, wg_warp, lane, [](float a, float b) { return a + b; });
+  // l_col held this thread's keys' part of each column's sum; from here on, the whole sum.
+  CombineColumns<kRows>(l_col, reduce, wg, wg_warp, lane, [](float a, float b) { return a + b; });
   // Both warpgroups are past their last tile: stage 0 is free for the staging rows.
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
   float* staging = reinterpret_cast<float*>(smem);  // [row][kOutStride], in stage 0
@@ -469,7 +467,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * j + 2 * quad + e;
       const int ci = 2 * j + e;
-      const float l = l_total[ci];
+      const float l = l_col[ci];
       const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
       for (int mb = 0; mb < kValueBlocks; ++mb) {
