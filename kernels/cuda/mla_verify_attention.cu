@@ -107,19 +107,31 @@ struct CombineVariant {
   int threads;
 };
 
-template <int kGroups, int kPerGroup>
+template <int kGroups, int kPerGroup, typename Partial>
 constexpr CombineVariant Combine() {
-  return {&mla::MlaVerifyCombineKernel<kGroups, kPerGroup>, kGroups * mla::kCombineThreadsPerGroup};
+  return {&mla::MlaVerifyCombineKernel<kGroups, kPerGroup, Partial>,
+          kGroups * mla::kCombineThreadsPerGroup};
 }
 
-constexpr CombineVariant kCombineVariants[] = {Combine<2, 1>(),  Combine<4, 1>(),  Combine<8, 1>(),
-                                               Combine<16, 1>(), Combine<16, 2>(), Combine<16, 4>(),
-                                               Combine<16, 8>(), Combine<16, 16>()};
-static_assert(std::size(kCombineVariants) == std::bit_width(unsigned{mla::kMaxSplits - 1}));
+template <typename Partial>
+constexpr CombineVariant kCombineVariants[] = {
+    Combine<2, 1, Partial>(),  Combine<4, 1, Partial>(),  Combine<8, 1, Partial>(),
+    Combine<16, 1, Partial>(), Combine<16, 2, Partial>(), Combine<16, 4, Partial>(),
+    Combine<16, 8, Partial>(), Combine<16, 16, Partial>()};
+static_assert(std::size(kCombineVariants<float>) == std::bit_width(unsigned{mla::kMaxSplits - 1}));
 
+template <typename Partial>
 CombineVariant CombineVariantFor(int32_t nsplit) {
   const int covering_power = std::bit_width(static_cast<unsigned>(std::max(nsplit, 2) - 1));
-  return kCombineVariants[std::min<size_t>(covering_power - 1, std::size(kCombineVariants) - 1)];
+  constexpr size_t kCount = std::size(kCombineVariants<Partial>);
+  return kCombineVariants<Partial>[std::min<size_t>(covering_power - 1, kCount - 1)];
+}
+
+// The element type of the partial outputs: bf16 for the wide kernel, whose 64-row partials are
+// the heaviest (bench/NOTES.md, step 35); fp32 for the others (the narrow kernel's bf16 partials
+// cost 1.1-1.5 us at exactly NSPLIT 132, cause unknown: step 33).
+int PartialOutBytes(MlaVerifyKernel kernel) {
+  return kernel == MlaVerifyKernel::kWgmmaWide ? 2 : 4;
 }
 
 int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
@@ -256,10 +268,11 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   }
   plan.blocks = static_cast<int32_t>(blocks);
   plan.waves = static_cast<double>(blocks) / static_cast<double>(capacity);
-  plan.workspace_bytes = plan.nsplit > 1 ? mla::PartialLayout::Bytes(
-                                               shape.num_seqs, plan.nsplit,
-                                               static_cast<int32_t>(packed_rows), shape.latent_dim)
-                                         : 0;
+  plan.workspace_bytes =
+      plan.nsplit > 1 ? mla::PartialLayout::Bytes(shape.num_seqs, plan.nsplit,
+                                                  static_cast<int32_t>(packed_rows),
+                                                  shape.latent_dim, PartialOutBytes(plan.kernel))
+                      : 0;
   return plan;
 }
 
@@ -323,7 +336,9 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         static_cast<unsigned>(packed_rows),
         static_cast<unsigned>(mla::CeilDiv(shape.latent_dim, mla::kCombineDims)),
         static_cast<unsigned>(shape.num_seqs));
-    const CombineVariant combine = CombineVariantFor(plan.nsplit);
+    const CombineVariant combine = PartialOutBytes(plan.kernel) == 2
+                                       ? CombineVariantFor<__nv_bfloat16>(plan.nsplit)
+                                       : CombineVariantFor<float>(plan.nsplit);
     TV_RETURN_IF_ERROR(Launch(combine.kernel, combine_grid, combine.threads, 0, stream,
                               /*overlap=*/true, "MLA verify combine kernel launch", p, partial,
                               plan.min_split_keys));

@@ -12,16 +12,39 @@ namespace treeverify::kernels::cuda::mla {
 
 // Merges the splits of each packed row by log-sum-exp. A block takes one row and 64 of its
 // dims; its kGroups groups of 16 threads take splits g, g + kGroups, ... (kPerGroup each).
-// Every thread issues all its loads, split LSEs and 16-byte partial outputs alike, before it uses
+// Every thread issues all its loads, split LSEs and 4-dim partial outputs alike, before it uses
 // any: one memory round trip after the split kernel, not one for the LSEs and another for the
 // partials. The launcher sizes (kGroups, kPerGroup) to NSPLIT (CombineVariantFor): few splits give
 // small, light blocks, as many batches need; many splits give 256 threads with up to 16 loads in
 // flight each. Group sums are added in group order, so the result depends on NSPLIT only.
+// Partial is the element type the split kernel wrote its outputs in (float or __nv_bfloat16).
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineThreadsPerGroup = kCombineDims / 4;
 inline constexpr int kMaxSplits = 256;
 
-template <int kGroups, int kPerGroup>
+// 4 partial-output dims: one 16-byte load in fp32, one 8-byte load in bf16.
+template <typename Partial>
+struct PartialDims4;
+template <>
+struct PartialDims4<float> {
+  float4 raw;
+  __device__ void Load(const float* p) { raw = *reinterpret_cast<const float4*>(p); }
+  __device__ void Zero() { raw = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ float4 Get() const { return raw; }
+};
+template <>
+struct PartialDims4<__nv_bfloat16> {
+  uint2 raw;
+  __device__ void Load(const __nv_bfloat16* p) { raw = *reinterpret_cast<const uint2*>(p); }
+  __device__ void Zero() { raw = make_uint2(0u, 0u); }
+  __device__ float4 Get() const {
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+};
+
+template <int kGroups, int kPerGroup, typename Partial>
 __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
     MlaVerifyCombineKernel(MlaVerifyParamsBf16 p, PartialLayout partial, int32_t min_split_keys) {
   constexpr int kThreads = kGroups * kCombineThreadsPerGroup;
@@ -46,13 +69,16 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   const bool has_dims = d0 < p.latent_dim;
 
   float lse[kPerGroup];
-  float4 v[kPerGroup];
+  PartialDims4<Partial> v[kPerGroup];
 #pragma unroll
   for (int u = 0; u < kPerGroup; ++u) {
     const int s = group + u * kGroups;
     lse[u] = s < splits ? partial.lse[partial.Index(seq, s, row)] : -INFINITY;
-    v[u] = s < splits && has_dims ? *reinterpret_cast<const float4*>(partial.Out(seq, s, row) + d0)
-                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (s < splits && has_dims) {
+      v[u].Load(partial.Out<Partial>(seq, s, row) + d0);
+    } else {
+      v[u].Zero();
+    }
   }
   float m = -INFINITY;
 #pragma unroll
@@ -69,10 +95,11 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   for (int u = 0; u < kPerGroup; ++u) {
     const float w = lse[u] == -INFINITY ? 0.f : expf(lse[u] - m);
     weight_sum += w;
-    acc.x += w * v[u].x;
-    acc.y += w * v[u].y;
-    acc.z += w * v[u].z;
-    acc.w += w * v[u].w;
+    const float4 x = v[u].Get();
+    acc.x += w * x.x;
+    acc.y += w * x.y;
+    acc.z += w * x.z;
+    acc.w += w * x.w;
   }
   if (tid % kCombineThreadsPerGroup == 0) group_weight[group] = weight_sum;
   const float acc_array[4] = {acc.x, acc.y, acc.z, acc.w};

@@ -58,11 +58,16 @@ __host__ __device__ inline SplitTiles SplitRange(int32_t keys, int32_t nsplit,
   return {begin, end < tiles ? end : tiles};
 }
 
-// Where split results go: lse [num_seqs][nsplit][max_rows] and normalized outputs
-// [num_seqs][nsplit][max_rows][latent_dim] in fp32, rows being packed (node, head) rows.
+// Where split results go: lse [num_seqs][nsplit][max_rows] in fp32 and outputs normalized by the
+// split's own sum [num_seqs][nsplit][max_rows][latent_dim], rows being packed (node, head) rows.
+// The outputs are fp32 (out_bytes 4) or bf16 (2), by kernel: the wide kernel's 64-row partials
+// are as many bytes as the keys at batch 1 (132 splits x 64 rows x 2 KB in fp32 against 19 MB of
+// keys at 16k), and bf16 halves that round trip; a normalized partial is a convex combination of
+// values, so bf16 adds one rounding of 2^-9 relative to them, like the final output's own
+// (bench/NOTES.md, steps 33 and 35).
 struct PartialLayout {
   float* lse = nullptr;
-  float* out = nullptr;
+  void* out = nullptr;
   int32_t nsplit = 1;
   int32_t max_rows = 0;  // max_rows_per_seq * num_heads
   int32_t latent_dim = 0;
@@ -70,20 +75,22 @@ struct PartialLayout {
   __host__ __device__ int64_t Index(int seq, int split, int row) const {
     return (static_cast<int64_t>(seq) * nsplit + split) * max_rows + row;
   }
-  __host__ __device__ float* Out(int seq, int split, int row) const {
-    return out + Index(seq, split, row) * latent_dim;
+  // The output row of (seq, split, row), in the element type the launch chose.
+  template <typename T>
+  __host__ __device__ T* Out(int seq, int split, int row) const {
+    return static_cast<T*>(out) + Index(seq, split, row) * latent_dim;
   }
 
-  static int64_t Bytes(int32_t num_seqs, int32_t nsplit, int32_t max_rows, int32_t latent_dim) {
+  static int64_t Bytes(int32_t num_seqs, int32_t nsplit, int32_t max_rows, int32_t latent_dim,
+                       int out_bytes) {
     const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
-    return AlignUp(rows * 4) + AlignUp(rows * latent_dim * 4);
+    return AlignUp(rows * 4) + AlignUp(rows * latent_dim * out_bytes);
   }
   static PartialLayout At(void* workspace, int32_t num_seqs, int32_t nsplit, int32_t max_rows,
                           int32_t latent_dim) {
     const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
     char* base = static_cast<char*>(workspace);
-    return {reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + AlignUp(rows * 4)),
-            nsplit, max_rows, latent_dim};
+    return {reinterpret_cast<float*>(base), base + AlignUp(rows * 4), nsplit, max_rows, latent_dim};
   }
   static int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 };

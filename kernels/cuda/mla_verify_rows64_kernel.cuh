@@ -45,6 +45,12 @@ struct Rows64Smem {
 // following tile while its own signal still counts toward the current one.
 inline constexpr int kTileReadyEven = 4;
 inline constexpr int kTileReadyOdd = 5;
+// The consumers' barrier between staging the output rows and storing them.
+inline constexpr int kStagingBarrier = 6;
+// bf16 per staged output row: 16 bytes of padding put the 8 rows a warp writes at once in
+// different banks.
+inline constexpr int kStagingStride = kWgmmaLatent + 8;
+static_assert(kRows64 * kStagingStride * 2 <= 2 * kStageBytes, "output staging fits the stages");
 
 __device__ inline void SignalTileReady(int tile) {
   if (tile & 1) {
@@ -313,35 +319,29 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   }
 
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
-  // ---- epilogue: both warpgroups hold the final row max and sum; each writes its dims ----
+  // ---- epilogue: both warpgroups hold the final row max and sum; each stages its dims ----
   sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
   // The previous kernel may still read the buffers written below (a launch that overlaps it).
   WaitForPredecessorGrid();
   const int valid_rows = min(kRows64, rows - row0);
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
+  // The rows go out through shared memory (the key stages are free now), in bf16 whether final
+  // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that
+  // fill half of a 32-byte sector make the L2 read the sector first (bench/NOTES.md, step 33).
+  // Staged, every store is 16 bytes of a row.
+  __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(smem);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h;
-    if (r >= valid_rows) continue;
     const float m = m_row[h];
     const float l = l_row[h];
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (args.direct_output) {
-      __nv_bfloat16* dst = p.out + (global_row0 + r) * kWgmmaLatent + 256 * wg;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * quad) =
-            PackBf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      }
-    } else {
-      float* dst = args.partial.Out(seq, split, row0 + r) + 256 * wg;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<float2*>(dst + 8 * j + 2 * quad) =
-            make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      }
+    for (int j = 0; j < 32; ++j) {
+      *reinterpret_cast<uint32_t*>(staging + r * kStagingStride + 256 * wg + 8 * j + 2 * quad) =
+          PackBf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
     }
-    if (wg == 0 && quad == 0) {
+    if (wg == 0 && quad == 0 && r < valid_rows) {
       const float lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
       if (args.direct_output) {
         p.lse[global_row0 + r] = lse;
@@ -349,6 +349,17 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         args.partial.lse[args.partial.Index(seq, split, row0 + r)] = lse;
       }
     }
+  }
+  sm90::NamedBarrier<kStagingBarrier, 256>();
+  // The final output or this split's partial, both bf16 normalized by this block's sum.
+  constexpr int kPieces = kWgmmaLatent / 8;  // 16-byte pieces per row
+  for (int u = threadIdx.x; u < valid_rows * kPieces; u += 256) {
+    const int r = u / kPieces;
+    const int d = (u % kPieces) * 8;
+    __nv_bfloat16* dst = args.direct_output ? p.out + (global_row0 + r) * kWgmmaLatent
+                                            : args.partial.Out<__nv_bfloat16>(seq, split, row0 + r);
+    *reinterpret_cast<uint4*>(dst + d) =
+        *reinterpret_cast<const uint4*>(staging + r * kStagingStride + d);
   }
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else

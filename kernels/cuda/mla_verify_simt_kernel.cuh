@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kSimtThreads)
     if (direct_output) {
       p.out[global_row * latent + d] = __float2bfloat16(sum * inv_l);
     } else {
-      partial.Out(seq, split, row)[d] = sum * inv_l;
+      partial.Out<float>(seq, split, row)[d] = sum * inv_l;
     }
   }
   if (threadIdx.x == 0) {

@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     for (int u = ctid; u < valid_rows * (kWgmmaLatent / 4); u += 256) {
       const int r = u / (kWgmmaLatent / 4);
       const int d = (u % (kWgmmaLatent / 4)) * 4;
-      *reinterpret_cast<float4*>(args.partial.Out(seq, split, row0 + r) + d) =
+      *reinterpret_cast<float4*>(args.partial.Out<float>(seq, split, row0 + r) + d) =
           *reinterpret_cast<const float4*>(staging + r * kOutStride + d);
     }
     if (ctid < valid_rows) {

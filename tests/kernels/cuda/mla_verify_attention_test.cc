@@ -359,7 +359,8 @@ TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
 }
 
 // The merge kernel's block follows NSPLIT (from one warp with a split per group to 256 threads
-// with 16 splits per group): one of each size, on a context long enough for many real splits.
+// with 16 splits per group): one of each size, on a context long enough for many real splits,
+// for each kernel (the wide one leaves bf16 partials, the others fp32).
 TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   std::mt19937 rng(2024);
   BatchSpec spec;
@@ -368,9 +369,12 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   spec.committed = {16000};
   spec.parents = {RandomTree(5, rng)};
   Problem problem(spec, rng);
-  for (int nsplit : {2, 4, 8, 16, 32, 64, 128, 256}) {
-    SCOPED_TRACE(testing::Message() << "nsplit " << nsplit);
-    RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit});
+  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+    for (int nsplit : {2, 4, 8, 16, 32, 64, 128, 256}) {
+      SCOPED_TRACE(testing::Message()
+                   << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
+      RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+    }
   }
 }
 
