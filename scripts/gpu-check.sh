@@ -15,7 +15,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
 gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_mla_verify_attention_test)
-gpu_benches=(bench/mla_verify_bench)
+gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe)
 # Small cases for compute-sanitizer: test binary and gtest filter.
 sanitized=("cuda_mla_verify_attention_test:*GraphReplay*:*TinyModel*")
 
@@ -77,6 +77,7 @@ case "${1:-}" in
     mkdir -p "$out"
     # shellcheck disable=SC1091
     source "$bundle/env.sh"
+    "$bundle/bin/wgmma_shape_probe" --out "$out"
     "$bundle/bin/mla_verify_bench" --out "$out" "${@:3}"
     ;;
   *)
