@@ -24,6 +24,9 @@ constexpr int kRowTiles[] = {8, 16, 24, 32};  // the wgmma kernel's instantiatio
 // within 2 % of each other at batch 1 from L=16k (narrow 13 % faster at 4k), but the narrow ones
 // lost 5-15 % at batch 8 and 32 (bench/NOTES.md, step 17).
 constexpr int64_t kMaxAutoNarrowRows = 32;
+// Packed rows per sequence under which a launch is memory-bound: the ridge of the H200's roofline
+// (about 205 FLOP per byte of KV, 1.9 FLOP per byte per row) is near 110 rows.
+constexpr int64_t kMemoryBoundRows = 110;
 
 // The wgmma kernels share one signature; the narrow one is instantiated per row tile.
 using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);
@@ -176,9 +179,10 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
 std::string MlaVerifyPlan::ToString() const {
   return absl::StrFormat(
       "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
-      "min_split_keys=%d smem=%d workspace=%d overlap=%d",
+      "min_split_keys=%d smem=%d workspace=%d overlap=%d stagger=%d",
       MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
-      min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0);
+      min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0,
+      stagger_first_tiles ? 1 : 0);
 }
 
 int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity) {
@@ -219,6 +223,7 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   plan.overlap_predecessor = options.overlap_predecessor;
   plan.timestamps = options.timestamps;
   const int64_t packed_rows = static_cast<int64_t>(shape.max_rows_per_seq) * shape.num_heads;
+  plan.stagger_first_tiles = packed_rows < kMemoryBoundRows;
   const void* kernel = nullptr;
   int threads = 0;
   MlaVerifyKernel choice = options.kernel;
@@ -316,8 +321,8 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         CUtensorMap q_map,
         MakeBf16TensorMap2d(p.q, static_cast<int64_t>(shape.row_capacity) * shape.num_heads, dims,
                             dims, plan.row_tile));
-    const mla::WgmmaArgs args{p,        partial, plan.min_split_keys, plan.row_tiles,
-                              box_rows, direct,  plan.timestamps};
+    const mla::WgmmaArgs args{p,        partial, plan.min_split_keys,      plan.row_tiles,
+                              box_rows, direct,  plan.stagger_first_tiles, plan.timestamps};
     TV_RETURN_IF_ERROR(Launch(WgmmaVariantFor(plan.kernel, plan.row_tile).kernel, grid,
                               mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
                               "MLA verify split kernel launch", args, kv_map, q_map));

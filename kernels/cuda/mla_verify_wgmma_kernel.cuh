@@ -65,7 +65,8 @@ struct WgmmaArgs {
   int32_t row_tiles;
   int32_t box_rows;  // keys per TMA box: divides both 64 and the page size
   bool direct_output;
-  uint64_t* timestamps;  // profiling aid, usually null: see MlaVerifyOptions::timestamps
+  bool stagger_first_tiles;  // MlaVerifyPlan::stagger_first_tiles
+  uint64_t* timestamps;      // profiling aid, usually null: see MlaVerifyOptions::timestamps
 };
 
 // Profiling aid: %globaltimer (ns) at point `what` of this block, written by one thread.
@@ -132,8 +133,13 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   // stage) are requested before waiting for the previous kernel, whose queries and tree-node keys
   // this launch reads (see WaitForPredecessorGrid).
   const int num_tiles = tiles.end - tiles.begin;
+  // With args.stagger_first_tiles, only the first: when every block requests its first two tiles
+  // at once, a block's first tile lands only when most of that round has; requesting the second
+  // once the first has landed lets the first compute while the second lands. That pays where the
+  // launch is memory-bound and cost 1-5 % on long compute-bound ones (bench/NOTES.md, step 38).
+  const int early_tiles = args.stagger_first_tiles ? 1 : 2;
   int early = 0;
-  while (early < 2 && early < num_tiles &&
+  while (early < early_tiles && early < num_tiles &&
          (tiles.begin + early + 1) * kMlaKeyTile <= span.committed) {
     load_tile(early++);
   }
@@ -143,6 +149,7 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   for (int c = 0; c < kWgmmaChunks; ++c) {
     sm90::TmaLoad2d(smem + q_offset + c * kRows * 128, q_map, c * 64, q_row, q_ready);
   }
+  if (args.stagger_first_tiles && early == 1 && num_tiles > 1) sm90::MbarrierWait(&full[0], 0);
   for (int i = early; i < num_tiles; ++i) load_tile(i);
 }
 

@@ -527,6 +527,7 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   EXPECT_GE(plan->blocks, device_.multiprocessors * plan->blocks_per_sm * 9 / 10);
   EXPECT_LE(plan->waves, 1.0);
   EXPECT_GT(plan->workspace_bytes, 0);
+  EXPECT_TRUE(plan->stagger_first_tiles) << "72 packed rows are memory-bound";
   shape.num_seqs = 64;
   shape.max_rows_per_seq = 64;
   shape.row_capacity = 64 * 64;
@@ -534,6 +535,7 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->nsplit, 1);
   EXPECT_EQ(plan->workspace_bytes, 0);
+  EXPECT_FALSE(plan->stagger_first_tiles) << "512 packed rows are compute-bound";
 }
 
 // The split rule (host and device code): the splits of a sequence cover its key tiles exactly

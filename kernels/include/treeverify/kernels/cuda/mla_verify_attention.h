@@ -86,6 +86,10 @@ struct MlaVerifyPlan {
   int64_t smem_bytes = 0;
   int64_t workspace_bytes = 0;  // partial outputs and log-sum-exps; 0 when nsplit == 1
   bool overlap_predecessor = false;
+  // Memory-bound shapes (packed rows per sequence under the roofline's ridge): a block requests
+  // its second key tile only once its first has landed, so that the first computes while the
+  // second lands (bench/NOTES.md, step 38).
+  bool stagger_first_tiles = false;
   uint64_t* timestamps = nullptr;  // MlaVerifyOptions::timestamps
   std::string ToString() const;
 };
