@@ -66,6 +66,9 @@ case "${1:-}" in
           fi
         fi
         tail -n 2 "$log" | sed "s/^/$tool $name: /"
+        if [ "$tool" = racecheck ]; then
+          python3 "$root/scripts/racecheck-summary.py" "$log" | sed "s/^/$tool $name: /"
+        fi
         cat "$log" >>"$out/sanitizer.log" && rm "$log"
       done
     done
