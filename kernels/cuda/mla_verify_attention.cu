@@ -130,12 +130,10 @@ CombineVariant CombineVariantFor(int32_t nsplit) {
   return kCombineVariants<Partial>[std::min<size_t>(covering_power - 1, kCount - 1)];
 }
 
-// The element type of the partial outputs: bf16 for the wide kernel, whose 64-row partials are
-// the heaviest (bench/NOTES.md, step 35); fp32 for the others (the narrow kernel's bf16 partials
-// cost 1.1-1.5 us at exactly NSPLIT 132, cause unknown: step 33).
-int PartialOutBytes(MlaVerifyKernel kernel) {
-  return kernel == MlaVerifyKernel::kWgmmaWide ? 2 : 4;
-}
+// Whether `kernel` leaves its partial outputs in bf16 (else fp32): the wide kernel does, its
+// 64-row partials being the heaviest (bench/NOTES.md, step 35); for the narrow kernel bf16 was
+// slower at every NSPLIT (step 39). The kernels write, and the merge kernel reads, accordingly.
+bool Bf16Partials(MlaVerifyKernel kernel) { return kernel == MlaVerifyKernel::kWgmmaWide; }
 
 int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptions& options) {
   if (options.forced_nsplit > 0) return std::min(options.forced_nsplit, mla::kMaxSplits);
@@ -273,11 +271,11 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   }
   plan.blocks = static_cast<int32_t>(blocks);
   plan.waves = static_cast<double>(blocks) / static_cast<double>(capacity);
-  plan.workspace_bytes =
-      plan.nsplit > 1 ? mla::PartialLayout::Bytes(shape.num_seqs, plan.nsplit,
-                                                  static_cast<int32_t>(packed_rows),
-                                                  shape.latent_dim, PartialOutBytes(plan.kernel))
-                      : 0;
+  plan.workspace_bytes = plan.nsplit > 1
+                             ? mla::PartialLayout::Bytes(
+                                   shape.num_seqs, plan.nsplit, static_cast<int32_t>(packed_rows),
+                                   shape.latent_dim, Bf16Partials(plan.kernel) ? 2 : 4)
+                             : 0;
   return plan;
 }
 
@@ -341,7 +339,7 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         static_cast<unsigned>(packed_rows),
         static_cast<unsigned>(mla::CeilDiv(shape.latent_dim, mla::kCombineDims)),
         static_cast<unsigned>(shape.num_seqs));
-    const CombineVariant combine = PartialOutBytes(plan.kernel) == 2
+    const CombineVariant combine = Bf16Partials(plan.kernel)
                                        ? CombineVariantFor<__nv_bfloat16>(plan.nsplit)
                                        : CombineVariantFor<float>(plan.nsplit);
     TV_RETURN_IF_ERROR(Launch(combine.kernel, combine_grid, combine.threads, 0, stream,
