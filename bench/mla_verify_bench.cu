@@ -42,6 +42,17 @@ constexpr int kRope = 64;
 constexpr int kDims = kLatent + kRope;
 constexpr int kPageSize = 64;
 constexpr int64_t kRotationBytes = 256ll << 20;  // KV copies cycled through: 5x the 50 MB L2
+// A graph replays its copies in turn, as many rounds as it takes to hold this many launches: a
+// graph launch costs about 3 us of its own (an empty kernel measured 0.5 us per launch in graphs
+// of 55 launches and 2.0 us in graphs of 2), which one round of 2 copies (L = 128k) would add
+// half of to every launch (bench/NOTES.md, step 41).
+constexpr int kMinLaunchesPerGraph = 16;
+
+// Launches in a graph over `copies` KV copies: whole rounds, at least kMinLaunchesPerGraph.
+int LaunchesPerGraph(int copies) {
+  const int rounds = (kMinLaunchesPerGraph + copies - 1) / copies;
+  return copies * rounds;
+}
 
 #define CHECK_CUDA(expr)                                                                        \
   do {                                                                                          \
@@ -237,8 +248,10 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
     CHECK_CUDA(cudaMalloc(&data, bytes * copies));
     Fill(data, bytes * copies / 2, 7);
     auto time_per_launch = [&](bool read, bool empty_after) {
+      const int launches = LaunchesPerGraph(copies);
       cudaGraphExec_t exec = Capture(stream, [&] {
-        for (int c = 0; c < copies; ++c) {
+        for (int i = 0; i < launches; ++i) {
+          const int c = i % copies;
           if (read) {
             ReadKernel<<<sms * 4, 256, 0, stream>>>(
                 reinterpret_cast<const uint4*>(reinterpret_cast<char*>(data) + c * bytes),
@@ -247,7 +260,7 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
           if (empty_after) EmptyKernel<<<1, 32, 0, stream>>>();
         }
       });
-      const double us = TimeGraph(exec, stream, 15) * 1e3 / copies;
+      const double us = TimeGraph(exec, stream, 15) * 1e3 / launches;
       CHECK_CUDA(cudaGraphExecDestroy(exec));
       return us;
     };
@@ -359,16 +372,18 @@ class Workload {
     return p;
   }
 
-  // Median microseconds of one launch of `plan`, from graphs of one launch per copy.
+  // Median microseconds of one launch of `plan`, from graphs that cycle through the copies.
   double TimePlan(const tvc::MlaVerifyPlan& plan, void* workspace, cudaStream_t stream,
                   int replays) const {
+    const int launches = LaunchesPerGraph(copies_);
     cudaGraphExec_t exec = Capture(stream, [&] {
-      for (int c = 0; c < copies_; ++c) {
-        CheckStatus(tvc::MlaVerifyAttention(Params(c), MlaShape(), plan, workspace, stream),
-                    "MlaVerifyAttention");
+      for (int i = 0; i < launches; ++i) {
+        CheckStatus(
+            tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace, stream),
+            "MlaVerifyAttention");
       }
     });
-    const double us = TimeGraph(exec, stream, replays) * 1e3 / copies_;
+    const double us = TimeGraph(exec, stream, replays) * 1e3 / launches;
     CHECK_CUDA(cudaGraphExecDestroy(exec));
     return us;
   }
@@ -449,8 +464,10 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
   CHECK_CUDA(cudaMalloc(&out, rows * kLatent * 2));
   const float one = 1.f, zero = 0.f;
   const int copies = w.copies();
+  const int launches = LaunchesPerGraph(copies);
   cudaGraphExec_t exec = Capture(stream, [&] {
-    for (int c = 0; c < copies; ++c) {
+    for (int i = 0; i < launches; ++i) {
+      const int c = i % copies;
       // Copy c's pages are contiguous: its KV is a [keys, 576] row-major matrix.
       const __nv_bfloat16* kv = w.cache() + int64_t{c} * w.pages_per_seq() * kPageSize * kDims;
       CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(keys),
@@ -465,7 +482,7 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
                                 kLatent, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   });
-  const double us = TimeGraph(exec, stream, 3) * 1e3 / copies;
+  const double us = TimeGraph(exec, stream, 3) * 1e3 / launches;
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaFree(scores));
   CHECK_CUDA(cudaFree(probs));
