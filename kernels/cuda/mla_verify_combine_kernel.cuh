@@ -13,11 +13,15 @@ namespace treeverify::kernels::cuda::mla {
 // Merges the splits of each packed row by log-sum-exp. A block takes one row and 64 of its
 // dims; its kGroups groups of 16 threads take splits g, g + kGroups, ... (kPerGroup each).
 // Every thread issues all its loads, split LSEs and 4-dim partial outputs alike, before it uses
-// any: one memory round trip after the split kernel, not one for the LSEs and another for the
-// partials. The launcher sizes (kGroups, kPerGroup) to NSPLIT (CombineVariantFor): few splits give
-// small, light blocks, as many batches need; many splits give 256 threads with up to 16 loads in
-// flight each. Group sums are added in group order, so the result depends on NSPLIT only.
-// Partial is the element type the split kernel wrote its outputs in (float or __nv_bfloat16).
+// any, and before it uses the sequence's lengths (requested before the wait): one memory round
+// trip after the split kernel, not one for the lengths, then one for the LSEs, then one for the
+// partials. So it loads every split of the layout, and splits past the sequence's last one
+// (results of an earlier launch, or never written) are dropped once the lengths are there
+// (bench/NOTES.md, steps 20 and 42). The launcher sizes (kGroups, kPerGroup) to NSPLIT
+// (CombineVariantFor): few splits give small, light blocks, as many batches need; many splits give
+// 256 threads with up to 16 loads in flight each. Group sums are added in group order, so the
+// result depends on NSPLIT only. Partial is the element type the split kernel wrote its outputs in
+// (float or __nv_bfloat16).
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineThreadsPerGroup = kCombineDims / 4;
 inline constexpr int kMaxSplits = 256;
@@ -58,9 +62,6 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   // Lengths and offsets were written before the split kernel started: read them while it runs.
   const SequenceSpan span = LoadSequence(p, seq);
   WaitForPredecessorGrid();  // the split kernel's partial results
-  const int heads = p.num_heads;
-  if (row >= span.rows * heads) return;
-  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -73,12 +74,19 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
 #pragma unroll
   for (int u = 0; u < kPerGroup; ++u) {
     const int s = group + u * kGroups;
-    lse[u] = s < splits ? partial.lse[partial.Index(seq, s, row)] : -INFINITY;
-    if (s < splits && has_dims) {
+    const bool in_layout = s < partial.nsplit;
+    lse[u] = in_layout ? partial.lse[partial.Index(seq, s, row)] : -INFINITY;
+    if (in_layout && has_dims) {
       v[u].Load(partial.Out<Partial>(seq, s, row) + d0);
     } else {
       v[u].Zero();
     }
+  }
+  if (row >= span.rows * p.num_heads) return;  // the whole block: one row
+  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
+#pragma unroll
+  for (int u = 0; u < kPerGroup; ++u) {
+    if (group + u * kGroups >= splits) lse[u] = -INFINITY;
   }
   float m = -INFINITY;
 #pragma unroll
@@ -95,7 +103,8 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   for (int u = 0; u < kPerGroup; ++u) {
     const float w = lse[u] == -INFINITY ? 0.f : expf(lse[u] - m);
     weight_sum += w;
-    const float4 x = v[u].Get();
+    // A dropped split's stale output may hold anything, NaN included: keep it out, not times 0.
+    const float4 x = w != 0.f ? v[u].Get() : make_float4(0.f, 0.f, 0.f, 0.f);
     acc.x += w * x.x;
     acc.y += w * x.y;
     acc.z += w * x.z;
@@ -108,7 +117,7 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   __syncthreads();
   float sum = 0.f;
   for (int g = 0; g < kGroups; ++g) sum += group_weight[g];
-  const int64_t global_row = static_cast<int64_t>(span.row_begin) * heads + row;
+  const int64_t global_row = static_cast<int64_t>(span.row_begin) * p.num_heads + row;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   const int latent = p.latent_dim;
   for (int d = tid; d < kCombineDims && blockIdx.y * kCombineDims + d < latent; d += kThreads) {

@@ -275,7 +275,9 @@ void ExpectClose(const std::vector<float>& out, const std::vector<float>& lse,
 
 class CudaMlaVerifyTest : public CudaTest {
  protected:
-  // Plans, runs on poisoned outputs, and compares with the CPU oracle.
+  // Plans, runs on poisoned outputs and workspace, and compares with the CPU oracle. (The merge
+  // kernel loads every split slot of the workspace before it knows which ones the launch wrote:
+  // NaN in the others must not reach the outputs.)
   MlaVerifyPlan RunAndCompare(const Problem& problem, const MlaVerifyOptions& options) {
     MlaVerifyPlan plan;
     absl::StatusOr<MlaVerifyPlan> planned = PlanMlaVerify(problem.Shape(), device_, options);
@@ -286,6 +288,7 @@ class CudaMlaVerifyTest : public CudaTest {
     DeviceProblem device(problem);
     DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan.workspace_bytes, 256));
     device.Poison();
+    EXPECT_EQ(cudaMemset(workspace.get(), 0xFF, plan.workspace_bytes), cudaSuccess);
     const absl::Status status =
         MlaVerifyAttention(device.Params(), problem.Shape(), plan, workspace.get(), nullptr);
     EXPECT_TRUE(status.ok()) << status;
