@@ -1,6 +1,8 @@
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,9 +103,16 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
   return attributes.binaryVersion == 90;
 }
 
-// The merge kernel's block for `nsplit` splits: groups of 16 threads (at least a warp, at most 16
-// groups) and the splits each group loads at once, powers of two covering nsplit. Entry i serves
-// NSPLIT up to 2^(i + 1).
+// The merge kernel's block for `nsplit` splits. Up to 8 splits: a group of 16 threads per split
+// (2, 4 or 8 groups, at least a warp). More: 16 groups that load the splits g, g + 16, ... each.
+// For bf16 partials (the wide kernel) a group loads ceil(nsplit / 16) splits: its merges have
+// hundreds of blocks, and with the groups' slots in powers of two they were bound by issuing
+// instructions for slots past NSPLIT (ncu: 7.5 us for 66 splits at H=8 Q=9, 10 us for 132 at
+// H=64 Q=1; exact counts took H=64 Q=1 L=16k from 22.3 to 19.3 us a launch). For fp32 partials
+// (the narrow kernel, at most 32 rows: a few dozen merge blocks at batch 1) the slots stay powers
+// of two: at 16 x 16 a block needs 136 registers and the blocks spread one per multiprocessor;
+// at 16 x 9 they took 72, shared multiprocessors with each other and with running split blocks,
+// and H=8 Q=1 L=16k went from 13.7 to 14.8 us (bench/NOTES.md, step 43).
 using CombineKernelFn = void (*)(MlaVerifyParamsBf16, mla::PartialLayout, int32_t);
 struct CombineVariant {
   CombineKernelFn kernel;
@@ -116,18 +125,32 @@ constexpr CombineVariant Combine() {
           kGroups * mla::kCombineThreadsPerGroup};
 }
 
-template <typename Partial>
-constexpr CombineVariant kCombineVariants[] = {
-    Combine<2, 1, Partial>(),  Combine<4, 1, Partial>(),  Combine<8, 1, Partial>(),
-    Combine<16, 1, Partial>(), Combine<16, 2, Partial>(), Combine<16, 4, Partial>(),
-    Combine<16, 8, Partial>(), Combine<16, 16, Partial>()};
-static_assert(std::size(kCombineVariants<float>) == std::bit_width(unsigned{mla::kMaxSplits - 1}));
+constexpr int kCombineGroups = 16;  // for more than 8 splits
+static_assert(kCombineGroups * kCombineGroups == mla::kMaxSplits);
+
+template <typename Partial, int... kLess>  // kLess = splits per group - 1
+constexpr std::array<CombineVariant, sizeof...(kLess)> SixteenGroups(
+    std::integer_sequence<int, kLess...>) {
+  return {Combine<kCombineGroups, kLess + 1, Partial>()...};
+}
 
 template <typename Partial>
 CombineVariant CombineVariantFor(int32_t nsplit) {
-  const int covering_power = std::bit_width(static_cast<unsigned>(std::max(nsplit, 2) - 1));
-  constexpr size_t kCount = std::size(kCombineVariants<Partial>);
-  return kCombineVariants<Partial>[std::min<size_t>(covering_power - 1, kCount - 1)];
+  static constexpr CombineVariant kFewSplits[] = {
+      Combine<2, 1, Partial>(), Combine<4, 1, Partial>(), Combine<8, 1, Partial>()};
+  nsplit = std::clamp(nsplit, 2, mla::kMaxSplits);
+  if (nsplit <= 8) return kFewSplits[std::bit_width(static_cast<unsigned>(nsplit - 1)) - 1];
+  const int per_group = mla::CeilDiv(nsplit, kCombineGroups);
+  if constexpr (std::is_same_v<Partial, float>) {
+    static constexpr CombineVariant kPowersOfTwo[] = {
+        Combine<16, 1, Partial>(), Combine<16, 2, Partial>(), Combine<16, 4, Partial>(),
+        Combine<16, 8, Partial>(), Combine<16, 16, Partial>()};
+    return kPowersOfTwo[std::bit_width(static_cast<unsigned>(per_group - 1))];
+  } else {
+    static constexpr auto kExact =
+        SixteenGroups<Partial>(std::make_integer_sequence<int, kCombineGroups>{});
+    return kExact[per_group - 1];
+  }
 }
 
 // Whether `kernel` leaves its partial outputs in bf16 (else fp32): the wide kernel does, its

@@ -361,9 +361,9 @@ TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
   }
 }
 
-// The merge kernel's block follows NSPLIT (from one warp with a split per group to 256 threads
-// with 16 splits per group): one of each size, on a context long enough for many real splits,
-// for each kernel (the wide one leaves bf16 partials, the others fp32).
+// The merge kernel's block follows NSPLIT (from one warp with a split per group to 16 groups of
+// 16 splits): one of each size, on a context long enough for many real splits, for each kernel
+// (the wide one leaves bf16 partials, the others fp32).
 TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   std::mt19937 rng(2024);
   BatchSpec spec;
@@ -373,7 +373,10 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   spec.parents = {RandomTree(5, rng)};
   Problem problem(spec, rng);
   for (MlaVerifyKernel kernel : WgmmaKernels()) {
-    for (int nsplit : {2, 4, 8, 16, 32, 64, 128, 256}) {
+    // Every variant of the merge kernel (groups of 2, 4, 8 splits; 16 groups of 1..16 splits)
+    // once at its largest NSPLIT, and the planner's usual counts between.
+    for (int nsplit : {2,  3,   4,   5,   8,   16,  32,  33,  44,  48,  64,  66, 80,
+                       96, 112, 128, 132, 144, 160, 176, 192, 208, 224, 240, 256}) {
       SCOPED_TRACE(testing::Message()
                    << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
       RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
