@@ -264,6 +264,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
               p_frag[j / 2][(j % 2) * 2 + h];
         }
       }
+      // The quad's other lanes read these as the non-owner of the previous tile: order those
+      // reads before this write (racecheck, bench/NOTES.md step 40).
+      __syncwarp();
       if (quad == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
