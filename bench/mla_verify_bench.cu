@@ -224,9 +224,10 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
 }
 
 // What one launch costs in this harness before any attention work: per context of the batch-1
-// rows, graphs of back-to-back launches (one per copy of L * 576 * 2 bytes, rotated over 256 MB
-// like the workloads) of the streaming probe alone, of the probe followed by an empty kernel (the
-// shape of a split kernel plus its merge), and of an empty kernel alone.
+// rows, graphs of back-to-back launches (cycling through copies of L * 576 * 2 bytes, rotated over
+// 256 MB, at least kMinLaunchesPerGraph, like the workloads) of the streaming probe alone, of the
+// probe followed by an empty kernel (the shape of a split kernel plus its merge), and of an empty
+// kernel alone.
 struct LaunchProbe {
   int64_t context;
   double floor_us;  // the KV bytes at the copy bandwidth
