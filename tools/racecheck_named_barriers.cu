@@ -11,7 +11,13 @@
 //   bulk-copy:   one thread of warpgroup 0 copies global memory into the buffer with
 //                cp.async.bulk (the TMA's async proxy) completing on an mbarrier; the readers
 //                wait on it (the kernels' "full" stages).
-// Each kernel checks its own result; racecheck's reports are what the probe is for.
+//   ping-pong:   the wide kernel's tile ownership: the warpgroups own tiles 0..7 in turn, the
+//                owner writes the buffer and arrives on barrier 1 or 2 by tile parity, the other
+//                waits there and reads it; the next tile's owner (the reader) then writes the
+//                buffer again, ordered after the other side's accesses only through that chain
+//                of barriers (a bar.arrive synchronizes with the bar.sync of the same barrier).
+// Each kernel checks its own result; racecheck's reports are what the probe is for. Run 86 of
+// bench/NOTES.md (step 45): the first six are clean, ping-pong is reported.
 //
 //   nvcc -arch=sm_90a -o racecheck_named_barriers tools/racecheck_named_barriers.cu
 //   compute-sanitizer --tool racecheck ./racecheck_named_barriers
@@ -79,6 +85,47 @@ __global__ void HandOff(int* out, const int* in) {
   }
 }
 
+// The ping-pong hand-off: thread j of each warpgroup writes and reads slot j only, so every
+// ordering between the warpgroups comes from the barriers.
+__global__ void PingPong(int* out) {
+  __shared__ int buffer[128];
+  const int wg = threadIdx.x / 128;
+  const int j = threadIdx.x % 128;
+  int sum = 0;
+  for (int tile = 0; tile < 8; ++tile) {
+    if (tile % 2 == wg) {
+      buffer[j] = 1000 * tile + j;
+      if (tile % 2 == 0) {
+        asm volatile("bar.arrive 1, 256;" ::: "memory");
+      } else {
+        asm volatile("bar.arrive 2, 256;" ::: "memory");
+      }
+    } else {
+      if (tile % 2 == 0) {
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+      } else {
+        asm volatile("bar.sync 2, 256;" ::: "memory");
+      }
+      sum += buffer[j];
+    }
+  }
+  out[threadIdx.x] = sum;
+}
+
+bool RunPingPong(int* out) {
+  PingPong<<<1, 256>>>(out);
+  int host[256];
+  if (cudaMemcpy(host, out, sizeof(host), cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+  bool ok = true;
+  for (int t = 0; t < 256; ++t) {
+    int expected = 0;
+    for (int tile = 1 - t / 128; tile < 8; tile += 2) expected += 1000 * tile + t % 128;
+    ok = ok && host[t] == expected;
+  }
+  std::printf("%-14s %s\n", "ping-pong", ok ? "correct" : "WRONG");
+  return ok;
+}
+
 template <Handoff kHandoff>
 bool Run(const char* name, int* out, const int* in) {
   HandOff<kHandoff><<<1, 256>>>(out, in);
@@ -95,7 +142,7 @@ bool Run(const char* name, int* out, const int* in) {
 int main() {
   int* out = nullptr;
   int* in = nullptr;
-  if (cudaMalloc(&out, 128 * sizeof(int)) != cudaSuccess) return 1;
+  if (cudaMalloc(&out, 256 * sizeof(int)) != cudaSuccess) return 1;
   if (cudaMalloc(&in, 128 * sizeof(int)) != cudaSuccess) return 1;
   int host[128];
   for (int i = 0; i < 128; ++i) host[i] = 3 * i + 1;  // what the bulk copy brings
@@ -106,6 +153,7 @@ int main() {
   ok = Run<kFromAnywhere>("from-anywhere", out, in) && ok;
   ok = Run<kMbarrier>("mbarrier", out, in) && ok;
   ok = Run<kBulkCopy>("bulk-copy", out, in) && ok;
+  ok = RunPingPong(out) && ok;
   cudaFree(in);
   cudaFree(out);
   return ok ? 0 : 1;
