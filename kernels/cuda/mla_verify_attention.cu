@@ -143,8 +143,9 @@ CombineVariant CombineVariantFor(int32_t nsplit) {
   const int per_group = mla::CeilDiv(nsplit, kCombineGroups);
   if constexpr (std::is_same_v<Partial, float>) {
     static constexpr CombineVariant kPowersOfTwo[] = {
-        Combine<16, 1, Partial>(), Combine<16, 2, Partial>(), Combine<16, 4, Partial>(),
-        Combine<16, 8, Partial>(), Combine<16, 16, Partial>()};
+        Combine<kCombineGroups, 1, Partial>(), Combine<kCombineGroups, 2, Partial>(),
+        Combine<kCombineGroups, 4, Partial>(), Combine<kCombineGroups, 8, Partial>(),
+        Combine<kCombineGroups, 16, Partial>()};
     return kPowersOfTwo[std::bit_width(static_cast<unsigned>(per_group - 1))];
   } else {
     static constexpr auto kExact =

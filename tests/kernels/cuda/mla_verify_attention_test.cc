@@ -373,8 +373,8 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   spec.parents = {RandomTree(5, rng)};
   Problem problem(spec, rng);
   for (MlaVerifyKernel kernel : WgmmaKernels()) {
-    // Every variant of the merge kernel (groups of 2, 4, 8 splits; 16 groups of 1..16 splits)
-    // once at its largest NSPLIT, and the planner's usual counts between.
+    // Every variant of the merge kernel (2, 4 or 8 groups of one split; 16 groups of 1..16
+    // splits) once at its largest NSPLIT, and the planner's usual counts between.
     for (int nsplit : {2,  3,   4,   5,   8,   16,  32,  33,  44,  48,  64,  66, 80,
                        96, 112, 128, 132, 144, 160, 176, 192, 208, 224, 240, 256}) {
       SCOPED_TRACE(testing::Message()
