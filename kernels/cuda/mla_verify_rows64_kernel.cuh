@@ -6,9 +6,11 @@
 // S with wgmma (Q and the key tile in shared memory, N = 64) and the online softmax (a row's
 // scores live in one quad of lanes: no shared-memory reduction), multiplies P from its registers,
 // and hands P (bf16), the rescale factors and the row statistics to the other warpgroup through
-// shared memory. Right after, it issues the scores of its next tile (i + 2), which the tensor
-// cores compute while the other warpgroup does the softmax of tile i + 1. V is the first 512
-// dims of the key tile, read as an MN-major B operand; nothing is copied.
+// shared memory. It computes the scores of its next tile (i + 2) after its part of the P*V of
+// tile i + 1, which it does not own, so that the P*V that releases a stage never waits behind a
+// load (bench/NOTES.md, step 28); the tensor cores run those scores while the other warpgroup
+// does its softmax. V is the first 512 dims of the key tile, read as an MN-major B operand;
+// nothing is copied. The output rows leave through the free stages in 16-byte bf16 pieces.
 //
 // Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
 // tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile
