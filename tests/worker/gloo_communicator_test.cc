@@ -379,11 +379,19 @@ TEST(GlooCommunicatorTest, DifferentLengthsFailEveryRankInsteadOfCrashing) {
   std::vector<absl::Status> statuses(2);
   RunRanks(
       2, [&](int rank) { statuses[rank] = group[rank]->AllReduceSum(absl::MakeSpan(data[rank])); });
+  // The rank whose timeout fires first fails with DEADLINE_EXCEEDED and closes its connection;
+  // the other may see that close before its own timeout fires, and then fails with UNAVAILABLE
+  // (seen once in CI in about ten runs). Either way every rank fails, and none crashes.
+  int timed_out = 0;
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_EQ(statuses[rank].code(), absl::StatusCode::kDeadlineExceeded)
+    const absl::StatusCode code = statuses[rank].code();
+    EXPECT_TRUE(code == absl::StatusCode::kDeadlineExceeded ||
+                code == absl::StatusCode::kUnavailable)
         << "rank " << rank << ": " << statuses[rank];
+    timed_out += code == absl::StatusCode::kDeadlineExceeded ? 1 : 0;
     EXPECT_EQ(data[rank], before[rank]) << "rank " << rank;
   }
+  EXPECT_GE(timed_out, 1) << statuses[0] << " / " << statuses[1];
 }
 
 TEST(GlooCommunicatorTest, KeyPrefixesIsolateGroupEpochs) {
