@@ -258,12 +258,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
       // Publish P, alpha and the row statistics. P's buffer is free: its last reader was this
       // warpgroup, as the non-owner of tile i - 1, and that multiply has completed.
+      // Four stmatrix per warp: matrix k of step t is rows + 8 (k % 2), keys 16t + 8 (k / 2).
+      {
+        const int k = lane / 8;
+        const int row = 16 * wg_warp + 8 * (k % 2) + lane % 8;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          *reinterpret_cast<uint32_t*>(probs + sm90::Swizzle128(r_lo + 8 * h, 8 * j + 2 * quad)) =
-              p_frag[j / 2][(j % 2) * 2 + h];
+        for (int t = 0; t < 4; ++t) {
+          sm90::StoreMatrices8x8x4(probs + sm90::Swizzle128(row, 16 * t + 8 * (k / 2)),
+                                   p_frag[t][0], p_frag[t][1], p_frag[t][2], p_frag[t][3]);
         }
       }
       // The quad's other lanes read these as the non-owner of the previous tile: order those

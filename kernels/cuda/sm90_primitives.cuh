@@ -115,6 +115,16 @@ __device__ inline void NamedBarrierArrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
+// Stores four 8x8 bf16 matrices from a warp's fragments (matrix k from register rk: lane t holds
+// row t / 4, columns 2 * (t % 4) and + 1); lane t gives the address of row t % 8 of matrix t / 8.
+__device__ inline void StoreMatrices8x8x4(void* row, uint32_t r0, uint32_t r1, uint32_t r2,
+                                          uint32_t r3) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(SmemAddress(row)),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+}
+
 // ---- wgmma ----------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor with 128-byte swizzle. For a K-major operand (rows of 64
