@@ -30,6 +30,10 @@
 namespace treeverify::kernels::cuda::mla {
 
 inline constexpr int kRows64 = 64;
+// How far (log2 units) a row's scores may pass its reference max before the max moves and O is
+// rescaled (FlashAttention-4's conditional rescaling): probabilities up to 2^8 are exact enough in
+// bf16 (relative precision does not depend on magnitude) and far from fp32's range in O and l.
+inline constexpr float kMaxGrowth = 8.f;
 
 struct Rows64Smem {
   static constexpr int kQ = 2 * kStageBytes;
@@ -175,6 +179,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     sm90::FenceRegisters(s);
   };
   auto rescale = [&](const float(&alpha)[2]) {
+    // Warp-uniform: a warp skips its multiplies when none of its rows moved its reference max.
+    if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
 #pragma unroll
@@ -229,9 +235,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float m_new = fmaxf(m_row[h], tile_max);
+        // The reference max moves only when a score passes it by more than kMaxGrowth: the
+        // probabilities stay under 2^kMaxGrowth, and most tiles leave O as it is (alpha 1).
+        const bool grow = tile_max > m_row[h] + kMaxGrowth;
+        const float m_new = grow ? tile_max : m_row[h];
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = exp2f(m_row[h] - m_use);
+        alpha[h] = grow ? exp2f(m_row[h] - m_use) : 1.f;
         m_row[h] = m_new;
         float sum = 0.f;
 #pragma unroll
