@@ -35,6 +35,9 @@ struct BatchSpec {
   int latent = 512;
   int rope = 64;
   int page_size = 64;
+  // Key k of a sequence's T keys is scaled by 1 + key_ramp * k / T: scores that grow along the
+  // sequence, so that a row's running max keeps moving (0: plain random keys).
+  float key_ramp = 0.f;
   std::vector<int32_t> committed;
   std::vector<std::vector<int32_t>> parents;
 };
@@ -80,7 +83,8 @@ class Problem {
         const int64_t slot =
             int64_t{page_table_[b * max_pages_ + k / spec.page_size]} * spec.page_size +
             k % spec.page_size;
-        for (int d = 0; d < dims; ++d) cache_[slot * dims + d] = RoundToBf16(normal(rng));
+        const float gain = 1.f + spec.key_ramp * static_cast<float>(k) / static_cast<float>(keys);
+        for (int d = 0; d < dims; ++d) cache_[slot * dims + d] = RoundToBf16(gain * normal(rng));
       }
     }
     const int64_t rows = row_offsets_.back();
@@ -377,6 +381,26 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
     // splits) once at its largest NSPLIT, and the planner's usual counts between.
     for (int nsplit : {2,  3,   4,   5,   8,   16,  32,  33,  44,  48,  64,  66, 80,
                        96, 112, 128, 132, 144, 160, 176, 192, 208, 224, 240, 256}) {
+      SCOPED_TRACE(testing::Message()
+                   << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
+      RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+    }
+  }
+}
+
+// Scores that grow along the sequence by many times the wide kernel's kMaxGrowth (2^8): its rows
+// move their reference max and rescale O often, where on plain random keys they rarely do after
+// the first tile. Both kernels, one split and several.
+TEST_F(CudaMlaVerifyTest, ScoresThatKeepGrowing) {
+  std::mt19937 rng(99);
+  BatchSpec spec;
+  spec.heads = 16;
+  spec.key_ramp = 5.f;  // late keys score up to 6x the early ones: max log2 scores near 40
+  spec.committed = {3000, 1200};
+  spec.parents = {RandomTree(4, rng), RandomTree(3, rng)};
+  Problem problem(spec, rng);
+  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+    for (int nsplit : {1, 3}) {
       SCOPED_TRACE(testing::Message()
                    << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
       RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
