@@ -12,8 +12,8 @@
 // does its softmax. The owner's softmax is on every tile's critical path (the other warpgroup
 // waits for P), so it is kept short: P goes to shared memory by stmatrix, and a row's reference
 // max moves only when a score passes it by more than 2^8, so that most tiles need no rescale of
-// O (steps 51-52). V is the first 512 dims of the key tile, read as an MN-major B operand;
-// nothing is copied. The output rows leave through the free stages in 16-byte bf16 pieces.
+// O (bench/NOTES.md, steps 52-53). V is the first 512 dims of the key tile, read as an MN-major B
+// operand; nothing is copied. The output rows leave through the free stages in 16-byte bf16 pieces.
 //
 // Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
 // tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile
