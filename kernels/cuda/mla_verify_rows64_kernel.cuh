@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         const bool grow = tile_max > m_row[h] + kMaxGrowth;
         const float m_new = grow ? tile_max : m_row[h];
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = grow ? exp2f(m_row[h] - m_use) : 1.f;
+        alpha[h] = grow ? sm90::Exp2FlushDenormals(m_row[h] - m_use) : 1.f;
         m_row[h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[4 * j + 2 * h + e];
-            x = exp2f(x - m_use);
+            x = sm90::Exp2FlushDenormals(x - m_use);
             sum += x;
           }
         }

@@ -125,6 +125,14 @@ __device__ inline void StoreMatrices8x8x4(void* row, uint32_t r0, uint32_t r1, u
       : "memory");
 }
 
+// 2^x in one MUFU op: exp2f is ex2.approx without .ftz, which ptxas wraps in a range fix-up for
+// results under 2^-126; a probability relative to its row max loses nothing by flushing those.
+__device__ inline float Exp2FlushDenormals(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- wgmma ----------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor with 128-byte swizzle. For a K-major operand (rows of 64
