@@ -10,10 +10,11 @@
 // tile i + 1, which it does not own, so that the P*V that releases a stage never waits behind a
 // load (bench/NOTES.md, step 28); the tensor cores run those scores while the other warpgroup
 // does its softmax. The owner's softmax is on every tile's critical path (the other warpgroup
-// waits for P), so it is kept short: P goes to shared memory by stmatrix, and a row's reference
-// max moves only when a score passes it by more than 2^8, so that most tiles need no rescale of
-// O (bench/NOTES.md, steps 52-53). V is the first 512 dims of the key tile, read as an MN-major B
-// operand; nothing is copied. The output rows leave through the free stages in 16-byte bf16 pieces.
+// waits for P), so it is kept short: P goes to shared memory by stmatrix, the exponentials are
+// single MUFU ops, and a row's reference max moves only when a score passes it by more than 2^8,
+// so that most tiles need no rescale of O (bench/NOTES.md, steps 52-54). V is the first 512 dims
+// of the key tile, read as an MN-major B operand; nothing is copied. The output rows leave through
+// the free stages in 16-byte bf16 pieces.
 //
 // Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
 // tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile

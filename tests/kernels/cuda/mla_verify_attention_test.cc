@@ -1,7 +1,8 @@
 // GPU MLA tree-verify attention against the CPU backend (the oracle): random queries and keys
 // (never zeros), random trees, contexts that are not a multiple of the page size, pages permuted
 // over a pool whose unused slots hold NaN, batches of sequences of different lengths and tree
-// sizes, H in {1, 3, 8, 16, 128}; both kernels, forced and planned NSPLIT; CUDA-graph replay.
+// sizes, H in {1, 3, 8, 16, 128}, scores that keep growing along a sequence; both kernels, forced
+// and planned NSPLIT; CUDA-graph replay.
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
 
 #include <cuda_bf16.h>
