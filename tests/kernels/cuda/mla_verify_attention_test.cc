@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -304,6 +305,17 @@ class CudaMlaVerifyTest : public CudaTest {
     return plan;
   }
 
+  // RunAndCompare for each wgmma kernel (WgmmaKernels) at each forced NSPLIT.
+  void CompareEachKernel(const Problem& problem, std::initializer_list<int> nsplits) {
+    for (MlaVerifyKernel kernel : WgmmaKernels()) {
+      for (int nsplit : nsplits) {
+        SCOPED_TRACE(testing::Message()
+                     << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
+        RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+      }
+    }
+  }
+
   bool HasWgmma() const {
     return device_.compute_capability_major == 9 && device_.compute_capability_minor == 0;
   }
@@ -377,16 +389,10 @@ TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   spec.committed = {16000};
   spec.parents = {RandomTree(5, rng)};
   Problem problem(spec, rng);
-  for (MlaVerifyKernel kernel : WgmmaKernels()) {
-    // Every variant of the merge kernel (2, 4 or 8 groups of one split; 16 groups of 1..16
-    // splits) once at its largest NSPLIT, and the planner's usual counts between.
-    for (int nsplit : {2,  3,   4,   5,   8,   16,  32,  33,  44,  48,  64,  66, 80,
-                       96, 112, 128, 132, 144, 160, 176, 192, 208, 224, 240, 256}) {
-      SCOPED_TRACE(testing::Message()
-                   << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
-      RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
-    }
-  }
+  // Every variant of the merge kernel (2, 4 or 8 groups of one split; 16 groups of 1..16 splits)
+  // once at its largest NSPLIT, and the planner's usual counts between.
+  CompareEachKernel(problem, {2,  3,   4,   5,   8,   16,  32,  33,  44,  48,  64,  66, 80,
+                              96, 112, 128, 132, 144, 160, 176, 192, 208, 224, 240, 256});
 }
 
 // Scores that grow along the sequence by many times the wide kernel's kMaxGrowth (2^8): its rows
@@ -400,13 +406,7 @@ TEST_F(CudaMlaVerifyTest, ScoresThatKeepGrowing) {
   spec.committed = {3000, 1200};
   spec.parents = {RandomTree(4, rng), RandomTree(3, rng)};
   Problem problem(spec, rng);
-  for (MlaVerifyKernel kernel : WgmmaKernels()) {
-    for (int nsplit : {1, 3}) {
-      SCOPED_TRACE(testing::Message()
-                   << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
-      RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
-    }
-  }
+  CompareEachKernel(problem, {1, 3});
 }
 
 // Every row tile of the narrow kernel (8..32 packed rows, one instantiation each), each as the
