@@ -496,7 +496,8 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
 // earliest block start.
 void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, cudaStream_t stream,
                    const std::string& out_dir) {
-  const int64_t entries = int64_t{plan.blocks} * 5;
+  constexpr int kPerBlock = 7;  // MlaVerifyOptions::timestamps
+  const int64_t entries = int64_t{plan.blocks} * kPerBlock;
   uint64_t* stamps;
   CHECK_CUDA(cudaMalloc(&stamps, entries * 8));
   for (int i = 0; i < 3; ++i) {
@@ -515,19 +516,20 @@ void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, 
   CHECK_CUDA(cudaFree(stamps));
   uint64_t t0 = UINT64_MAX;
   for (int64_t b = 0; b < plan.blocks; ++b) {
-    if (host[b * 5] != 0) t0 = std::min(t0, host[b * 5]);
+    if (host[b * kPerBlock] != 0) t0 = std::min(t0, host[b * kPerBlock]);
   }
   const Shape& s = w.shape();
   const std::string path = out_dir + "/timeline-" + std::to_string(s.heads) + "-" +
                            std::to_string(s.rows) + "-" + std::to_string(s.context) + "-" +
                            std::to_string(s.batch) + ".csv";
   std::ofstream csv(path);
-  csv << "block,sm,start_us,first_tile_us,last_tile_done_us,end_us\n";
+  csv << "block,sm,start_us,first_tile_us,last_tile_done_us,end_us,partial_stored_us,"
+         "merge_released_us\n";
   auto rel = [&](uint64_t t) { return t == 0 ? -1.0 : (t - t0) * 1e-3; };
   for (int64_t b = 0; b < plan.blocks; ++b) {
-    const uint64_t* e = &host[b * 5];
+    const uint64_t* e = &host[b * kPerBlock];
     csv << b << "," << e[4] << "," << rel(e[0]) << "," << rel(e[1]) << "," << rel(e[2]) << ","
-        << rel(e[3]) << "\n";
+        << rel(e[3]) << "," << rel(e[5]) << "," << rel(e[6]) << "\n";
   }
 }
 
@@ -544,6 +546,7 @@ struct Row {
   double seed_us = -1;
   double cublas_us = -1;
   double other_kernel_us = -1;
+  double merge_kernel_us = -1;  // plans that merge in the grid: the same with the merge kernel
   double overlap_us = -1;
   std::string other_kernel_plan;
   nlohmann::json sweep = nlohmann::json::array();
@@ -652,6 +655,7 @@ int main(int argc, char** argv) {
     if (bytes <= workspace_bytes) return;
     if (workspace) CHECK_CUDA(cudaFree(workspace));
     CHECK_CUDA(cudaMalloc(&workspace, bytes));
+    CheckStatus(tvc::PrepareMlaVerifyWorkspace(workspace, bytes, nullptr), "workspace");
     workspace_bytes = bytes;
   };
 
@@ -680,6 +684,12 @@ int main(int argc, char** argv) {
         std::max(row.bytes / ceilings.copy_bytes_per_s, row.flops / ceilings.tensor_flops_per_s) *
         1e6;
 
+    if (plan->merge_in_grid) {
+      absl::StatusOr<tvc::MlaVerifyPlan> separate = tvc::PlanMlaVerify(
+          w.MlaShape(), *device, {.merge = tvc::MlaVerifyOptions::Merge::kSeparateKernel});
+      CheckStatus(separate.status(), "plan");
+      row.merge_kernel_us = w.TimePlan(*separate, workspace, stream, replays);
+    }
     if (timestamps && row.plan.kernel != tvc::MlaVerifyKernel::kSimt) {
       WriteTimeline(w, *plan, workspace, stream, out_dir);
     }
@@ -727,10 +737,11 @@ int main(int argc, char** argv) {
     row.cublas_us = TimeCublasReference(w, cublas, stream);
     std::printf(
         "H=%3d Q=%2d L=%6lld B=%2d  %9.1f us  floor %8.1f us  %5.1f%%  overlapped %9.1f us "
-        "%5.1f%%  other %7.1f us  %s\n",
+        "%5.1f%%  other %7.1f us  merge kernel %7.1f us  %s\n",
         shape.heads, shape.rows, static_cast<long long>(shape.context), shape.batch, row.us,
         row.floor_us, 100 * row.floor_us / row.us, row.overlap_us,
-        100 * row.floor_us / row.overlap_us, row.other_kernel_us, row.plan.ToString().c_str());
+        100 * row.floor_us / row.overlap_us, row.other_kernel_us, row.merge_kernel_us,
+        row.plan.ToString().c_str());
     std::fflush(stdout);
     rows.push_back(std::move(row));
   }
@@ -745,9 +756,10 @@ int main(int argc, char** argv) {
   json["rows"] = nlohmann::json::array();
   std::string md =
       "| H | Q | L | B | us | floor us | % roofline | overlapped us | overlapped % | GB/s | "
-      "TFLOP/s | kernel | rows/tile | NSPLIT | waves | best swept NSPLIT (us) | other "
-      "wgmma kernel us | chain us | seed-style us | cuBLAS us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "TFLOP/s | kernel | rows/tile | NSPLIT | waves | merge | merge-kernel us | best swept "
+      "NSPLIT (us) | other wgmma kernel us | chain us | seed-style us | cuBLAS us |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+      "\n";
   for (const Row& r : rows) {
     nlohmann::json j = {{"heads", r.shape.heads},
                         {"rows", r.shape.rows},
@@ -767,6 +779,7 @@ int main(int argc, char** argv) {
                         {"seed_style_us", r.seed_us},
                         {"cublas_us", r.cublas_us},
                         {"other_kernel_us", r.other_kernel_us},
+                        {"merge_kernel_us", r.merge_kernel_us},
                         {"overlap_us", r.overlap_us},
                         {"overlap_roofline_fraction", r.floor_us / r.overlap_us},
                         {"other_kernel_plan", r.other_kernel_plan}};
@@ -779,6 +792,8 @@ int main(int argc, char** argv) {
           " | " + Fmt("%.0f", r.flops / r.us / 1e6) + " | " +
           tvc::MlaVerifyKernelName(r.plan.kernel) + " | " + std::to_string(r.plan.row_tile) +
           " | " + std::to_string(r.plan.nsplit) + " | " + Fmt("%.2f", r.plan.waves) + " | " +
+          (r.plan.nsplit == 1 ? "" : (r.plan.merge_in_grid ? "grid" : "kernel")) + " | " +
+          (r.merge_kernel_us > 0 ? Fmt("%.1f", r.merge_kernel_us) : "") + " | " +
           (r.best_sweep_us > 0
                ? std::to_string(r.best_sweep_nsplit) + " (" + Fmt("%.1f", r.best_sweep_us) + ")"
                : std::string("")) +

@@ -164,6 +164,33 @@ int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptio
   return ChooseSplitCount(base_blocks, capacity);
 }
 
+// Whether the split blocks merge their results themselves (MlaVerifyPlan::merge_in_grid): only
+// where they are all resident at once, and with a counter pair per (sequence, row tile) in the
+// workspace's fixed counter area. By measurement (bench/NOTES.md, step 56) the planner takes it
+// for the wide kernel up to kMaxSplitsMergedInGrid splits: 2-11 % faster at NSPLIT 5..33 (H=8
+// Q=64, H=64 Q=9, batch 8), 1-2.5 us slower at 44..132, where both merges are bound by reading
+// the partial results back and the merge kernel has more loads in flight; for the narrow kernel
+// 0.7-1.8 us slower at every NSPLIT tried.
+constexpr int32_t kMaxSplitsMergedInGrid = 40;
+
+absl::StatusOr<bool> ChooseMergeInGrid(const MlaVerifyPlan& plan, const MlaVerifyShape& shape,
+                                       int64_t capacity, MlaVerifyOptions::Merge merge) {
+  if (plan.nsplit == 1 || merge == MlaVerifyOptions::Merge::kSeparateKernel) return false;
+  const bool possible =
+      plan.kernel == MlaVerifyKernel::kWgmmaWide && plan.blocks <= capacity &&
+      static_cast<int64_t>(shape.num_seqs) * plan.row_tiles <= mla::kMaxMergeGroups;
+  if (merge == MlaVerifyOptions::Merge::kInGrid) {
+    if (!possible) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MLA verify: the in-grid merge needs the wide kernel with its ", plan.blocks,
+                       " blocks resident at once (", capacity, " slots) in at most ",
+                       mla::kMaxMergeGroups, " (sequence, row tile) groups"));
+    }
+    return true;
+  }
+  return possible && plan.nsplit <= kMaxSplitsMergedInGrid;
+}
+
 // Launches `kernel` on `stream`, as a programmatic dependent launch when `overlap` is set (the
 // kernel then waits for its predecessor itself, see grid_dependency.cuh).
 template <typename... Params, typename... Args>
@@ -201,10 +228,10 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
 std::string MlaVerifyPlan::ToString() const {
   return absl::StrFormat(
       "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
-      "min_split_keys=%d smem=%d workspace=%d overlap=%d stagger=%d",
+      "min_split_keys=%d smem=%d workspace=%d overlap=%d stagger=%d merge=%s",
       MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
       min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0,
-      stagger_first_tiles ? 1 : 0);
+      stagger_first_tiles ? 1 : 0, nsplit == 1 ? "none" : (merge_in_grid ? "grid" : "kernel"));
 }
 
 int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity) {
@@ -295,12 +322,21 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   }
   plan.blocks = static_cast<int32_t>(blocks);
   plan.waves = static_cast<double>(blocks) / static_cast<double>(capacity);
+  TV_ASSIGN_OR_RETURN(plan.merge_in_grid, ChooseMergeInGrid(plan, shape, capacity, options.merge));
   plan.workspace_bytes = plan.nsplit > 1
                              ? mla::PartialLayout::Bytes(
                                    shape.num_seqs, plan.nsplit, static_cast<int32_t>(packed_rows),
                                    shape.latent_dim, Bf16Partials(plan.kernel) ? 2 : 4)
                              : 0;
   return plan;
+}
+
+absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStream_t stream) {
+  if (workspace == nullptr || bytes <= 0) return absl::OkStatus();  // plans of NSPLIT 1 only
+  return CudaStatus(
+      cudaMemsetAsync(workspace, 0, static_cast<size_t>(std::min(bytes, mla::kMergeCounterBytes)),
+                      stream),
+      "MLA verify workspace preparation");
 }
 
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifyShape& shape,
@@ -325,9 +361,10 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
   }
   const int32_t packed_rows = shape.max_rows_per_seq * shape.num_heads;
   const mla::PartialLayout partial =
-      plan.nsplit > 1 ? mla::PartialLayout::At(workspace, shape.num_seqs, plan.nsplit, packed_rows,
-                                               shape.latent_dim)
-                      : mla::PartialLayout{nullptr, nullptr, 1, packed_rows, shape.latent_dim};
+      plan.nsplit > 1
+          ? mla::PartialLayout::At(workspace, shape.num_seqs, plan.nsplit, packed_rows,
+                                   shape.latent_dim)
+          : mla::PartialLayout{nullptr, nullptr, 1, packed_rows, shape.latent_dim, nullptr};
   const bool direct = plan.nsplit == 1;
   const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.nsplit),
                   static_cast<unsigned>(shape.num_seqs));
@@ -343,8 +380,15 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         CUtensorMap q_map,
         MakeBf16TensorMap2d(p.q, static_cast<int64_t>(shape.row_capacity) * shape.num_heads, dims,
                             dims, plan.row_tile));
-    const mla::WgmmaArgs args{p,        partial, plan.min_split_keys,      plan.row_tiles,
-                              box_rows, direct,  plan.stagger_first_tiles, plan.timestamps};
+    const mla::WgmmaArgs args{p,
+                              partial,
+                              plan.min_split_keys,
+                              plan.row_tiles,
+                              box_rows,
+                              direct,
+                              plan.merge_in_grid,
+                              plan.stagger_first_tiles,
+                              plan.timestamps};
     TV_RETURN_IF_ERROR(Launch(WgmmaVariantFor(plan.kernel, plan.row_tile).kernel, grid,
                               mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
                               "MLA verify split kernel launch", args, kv_map, q_map));
@@ -356,7 +400,7 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
                               "MLA verify portable kernel launch", p, partial, plan.min_split_keys,
                               direct));
   }
-  if (!direct) {
+  if (!direct && !plan.merge_in_grid) {
     // Always a programmatic dependent launch: the merge kernel's blocks are queued while the
     // split kernel runs and wait for it on the device.
     const dim3 combine_grid(

@@ -24,7 +24,6 @@ namespace treeverify::kernels::cuda::mla {
 // (float or __nv_bfloat16).
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineThreadsPerGroup = kCombineDims / 4;
-inline constexpr int kMaxSplits = 256;
 
 // 4 partial-output dims: one 16-byte load in fp32, one 8-byte load in bf16.
 template <typename Partial>

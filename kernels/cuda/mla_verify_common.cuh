@@ -34,6 +34,8 @@ struct SplitTiles {
   int32_t end;  // exclusive; begin == end: the split has no keys
 };
 
+inline constexpr int kMaxSplits = 256;  // the most splits a plan has (the merges' layouts)
+
 __host__ __device__ inline int32_t CeilDiv(int32_t a, int32_t b) { return (a + b - 1) / b; }
 
 __host__ __device__ inline int32_t TilesPerSplit(int32_t keys, int32_t nsplit,
@@ -60,17 +62,26 @@ __host__ __device__ inline SplitTiles SplitRange(int32_t keys, int32_t nsplit,
 
 // Where split results go: lse [num_seqs][nsplit][max_rows] in fp32 and outputs normalized by the
 // split's own sum [num_seqs][nsplit][max_rows][latent_dim], rows being packed (node, head) rows.
+// (A split block writes its rows' LSEs side by side: [row][split] would make each a partial-sector
+// store, and cost a launch with a merge kernel 1-5 us, bench/NOTES.md step 56.)
 // The outputs are fp32 (out_bytes 4) or bf16 (2), by kernel: the wide kernel's 64-row partials
 // are as many bytes as the keys at batch 1 (132 splits x 64 rows x 2 KB in fp32 against 19 MB of
 // keys at 16k), and bf16 halves that round trip; a normalized partial is a convex combination of
 // values, so bf16 adds one rounding of 2^-9 relative to them, like the final output's own
 // (bench/NOTES.md, steps 33 and 35).
+// In front of them, at a fixed offset whatever the plan (so that plans sharing a workspace agree
+// on it), the counters of the in-grid merge (mla_verify_grid_merge.cuh): two words per (sequence,
+// row tile), zeroed once by PrepareMlaVerifyWorkspace and left zeroed by every launch.
+inline constexpr int64_t kMergeCounterBytes = 16384;
+inline constexpr int kMaxMergeGroups = static_cast<int>(kMergeCounterBytes / 8);
+
 struct PartialLayout {
   float* lse = nullptr;
   void* out = nullptr;
   int32_t nsplit = 1;
   int32_t max_rows = 0;  // max_rows_per_seq * num_heads
   int32_t latent_dim = 0;
+  uint32_t* merge_counters = nullptr;
 
   __host__ __device__ int64_t Index(int seq, int split, int row) const {
     return (static_cast<int64_t>(seq) * nsplit + split) * max_rows + row;
@@ -84,13 +95,15 @@ struct PartialLayout {
   static int64_t Bytes(int32_t num_seqs, int32_t nsplit, int32_t max_rows, int32_t latent_dim,
                        int out_bytes) {
     const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
-    return AlignUp(rows * 4) + AlignUp(rows * latent_dim * out_bytes);
+    return kMergeCounterBytes + AlignUp(rows * 4) + AlignUp(rows * latent_dim * out_bytes);
   }
   static PartialLayout At(void* workspace, int32_t num_seqs, int32_t nsplit, int32_t max_rows,
                           int32_t latent_dim) {
     const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
     char* base = static_cast<char*>(workspace);
-    return {reinterpret_cast<float*>(base), base + AlignUp(rows * 4), nsplit, max_rows, latent_dim};
+    char* lse = base + kMergeCounterBytes;
+    return {reinterpret_cast<float*>(lse),    lse + AlignUp(rows * 4), nsplit, max_rows, latent_dim,
+            reinterpret_cast<uint32_t*>(base)};
   }
   static int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 };

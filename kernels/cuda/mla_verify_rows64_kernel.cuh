@@ -27,6 +27,7 @@
 #include <cmath>
 
 #include "mla_verify_common.cuh"
+#include "mla_verify_grid_merge.cuh"
 #include "mla_verify_wgmma_kernel.cuh"
 #include "sm90_primitives.cuh"
 #include "sm90_wgmma_wide.cuh"
@@ -80,6 +81,22 @@ __device__ inline void WaitTileReady(int tile) {
 __device__ inline uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The end of a split block under the in-grid merge, by the 256 consumer threads after the
+// block's partial result is stored: meet the group's other splits, then merge this block's share.
+// `scratch`: kMergeScratchFloats of shared memory nobody uses any more.
+__device__ inline void MergeInGrid(const WgmmaArgs& args, const MergeGroup& group, int group_index,
+                                   float* scratch) {
+  sm90::NamedBarrier<kMergeBarrier, kMergeThreads>();
+  if (threadIdx.x == 0) {
+    RecordTimestamp(args.timestamps, kPartialStored);
+    ArriveAndWaitForSplits(args.partial.merge_counters, group_index, group.splits);
+    RecordTimestamp(args.timestamps, kMergeReleased);
+    DepartFromSplits(args.partial.merge_counters, group_index, group.splits);
+  }
+  sm90::NamedBarrier<kMergeBarrier, kMergeThreads>();
+  MergeShare(args.p, args.partial, group, scratch, threadIdx.x);
 }
 
 __global__ void __launch_bounds__(kWgmmaThreads, 1)
@@ -345,6 +362,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   WaitForPredecessorGrid();
   const int valid_rows = min(kRows64, rows - row0);
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
+  // A sequence of one split needs no merge: under the in-grid merge its block writes the output.
+  const int splits =
+      args.merge_in_grid ? NumSplits(keys, args.partial.nsplit, args.min_split_keys) : 0;
+  const bool write_final = args.direct_output || (args.merge_in_grid && splits == 1);
   // The rows go out through shared memory (the key stages are free now), in bf16 whether final
   // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that
   // fill half of a 32-byte sector make the L2 read the sector first (bench/NOTES.md, step 33).
@@ -363,7 +384,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
     if (wg == 0 && quad == 0 && r < valid_rows) {
       const float lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-      if (args.direct_output) {
+      if (write_final) {
         p.lse[global_row0 + r] = lse;
       } else {
         args.partial.lse[args.partial.Index(seq, split, row0 + r)] = lse;
@@ -376,10 +397,18 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   for (int u = threadIdx.x; u < valid_rows * kPieces; u += 256) {
     const int r = u / kPieces;
     const int d = (u % kPieces) * 8;
-    __nv_bfloat16* dst = args.direct_output ? p.out + (global_row0 + r) * kWgmmaLatent
-                                            : args.partial.Out<__nv_bfloat16>(seq, split, row0 + r);
+    __nv_bfloat16* dst = write_final ? p.out + (global_row0 + r) * kWgmmaLatent
+                                     : args.partial.Out<__nv_bfloat16>(seq, split, row0 + r);
     *reinterpret_cast<uint4*>(dst + d) =
         *reinterpret_cast<const uint4*>(staging + r * kStagingStride + d);
+  }
+  if (args.merge_in_grid && !write_final) {
+    // The staging rows fit in stage 0 (see kStagingStride): stage 1 is free.
+    static_assert(kRows64 * kStagingStride * 2 <= kStageBytes &&
+                  kMergeScratchFloats * 4 <= kStageBytes);
+    MergeInGrid(args, {seq, row0, valid_rows, global_row0, split, splits},
+                seq * args.row_tiles + row0 / kRows64,
+                reinterpret_cast<float*>(smem + kStageBytes));
   }
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else

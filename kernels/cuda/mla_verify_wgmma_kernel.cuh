@@ -65,6 +65,7 @@ struct WgmmaArgs {
   int32_t row_tiles;
   int32_t box_rows;  // keys per TMA box: divides both 64 and the page size
   bool direct_output;
+  bool merge_in_grid;        // MlaVerifyPlan::merge_in_grid: the wide kernel only
   bool stagger_first_tiles;  // MlaVerifyPlan::stagger_first_tiles
   uint64_t* timestamps;      // profiling aid, usually null: see MlaVerifyOptions::timestamps
 };
@@ -75,9 +76,11 @@ enum TimestampPoint {
   kFirstTile = 1,
   kLastTileDone = 2,
   kBlockEnd = 3,
-  kSmId = 4
+  kSmId = 4,
+  kPartialStored = 5,  // in-grid merge: the block's partial result is out; it arrives
+  kMergeReleased = 6,  // in-grid merge: the group's last split has arrived
 };
-inline constexpr int kTimestampsPerBlock = 5;
+inline constexpr int kTimestampsPerBlock = 7;
 __device__ inline void RecordTimestamp(uint64_t* timestamps, int what) {
   if (timestamps == nullptr) return;
   uint64_t now;

@@ -283,7 +283,8 @@ class CudaMlaVerifyTest : public CudaTest {
  protected:
   // Plans, runs on poisoned outputs and workspace, and compares with the CPU oracle. (The merge
   // kernel loads every split slot of the workspace before it knows which ones the launch wrote:
-  // NaN in the others must not reach the outputs.)
+  // NaN in the others must not reach the outputs.) An in-grid merge must leave its counters
+  // zeroed for the next launch.
   MlaVerifyPlan RunAndCompare(const Problem& problem, const MlaVerifyOptions& options) {
     MlaVerifyPlan plan;
     absl::StatusOr<MlaVerifyPlan> planned = PlanMlaVerify(problem.Shape(), device_, options);
@@ -295,9 +296,19 @@ class CudaMlaVerifyTest : public CudaTest {
     DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan.workspace_bytes, 256));
     device.Poison();
     EXPECT_EQ(cudaMemset(workspace.get(), 0xFF, plan.workspace_bytes), cudaSuccess);
+    EXPECT_TRUE(PrepareMlaVerifyWorkspace(workspace.get(), plan.workspace_bytes, nullptr).ok());
     const absl::Status status =
         MlaVerifyAttention(device.Params(), problem.Shape(), plan, workspace.get(), nullptr);
     EXPECT_TRUE(status.ok()) << status;
+    if (plan.merge_in_grid) {
+      std::vector<uint32_t> counters(mla::kMaxMergeGroups * 2);
+      EXPECT_EQ(
+          cudaMemcpy(counters.data(), workspace.get(), counters.size() * 4, cudaMemcpyDeviceToHost),
+          cudaSuccess);
+      size_t left = 0;
+      for (size_t g = 0; g < counters.size(); g += 2) left += counters[g] != 0 ? 1 : 0;
+      EXPECT_EQ(left, 0u) << "merge groups whose arrivals were not reset";
+    }
     std::vector<float> out, lse, ref_out, ref_lse;
     device.Fetch(out, lse);
     problem.RunCpu(ref_out, ref_lse);
@@ -305,13 +316,36 @@ class CudaMlaVerifyTest : public CudaTest {
     return plan;
   }
 
-  // RunAndCompare for each wgmma kernel (WgmmaKernels) at each forced NSPLIT.
+  // RunAndCompare for each wgmma kernel (WgmmaKernels) at each forced NSPLIT; the wide kernel
+  // with either merge forced (the in-grid one where the launch is one wave, the planner refusing
+  // it elsewhere), the others with the planner's.
   void CompareEachKernel(const Problem& problem, std::initializer_list<int> nsplits) {
+    using Merge = MlaVerifyOptions::Merge;
     for (MlaVerifyKernel kernel : WgmmaKernels()) {
       for (int nsplit : nsplits) {
-        SCOPED_TRACE(testing::Message()
-                     << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel));
-        RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+        std::vector<Merge> merges = {Merge::kAuto};
+        if (kernel == MlaVerifyKernel::kWgmmaWide) {
+          merges = {Merge::kSeparateKernel};
+          const MlaVerifyOptions in_grid = {.min_split_keys = 64,
+                                            .forced_nsplit = nsplit,
+                                            .kernel = kernel,
+                                            .merge = Merge::kInGrid};
+          absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(problem.Shape(), device_, in_grid);
+          if (plan.ok()) {
+            merges.push_back(Merge::kInGrid);
+          } else {
+            EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+            EXPECT_GT(nsplit, device_.multiprocessors) << plan.status();
+          }
+        }
+        for (Merge merge : merges) {
+          SCOPED_TRACE(testing::Message()
+                       << "nsplit " << nsplit << " kernel " << MlaVerifyKernelName(kernel)
+                       << " merge " << static_cast<int>(merge));
+          RunAndCompare(
+              problem,
+              {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel, .merge = merge});
+        }
       }
     }
   }
@@ -319,7 +353,7 @@ class CudaMlaVerifyTest : public CudaTest {
   bool HasWgmma() const {
     return device_.compute_capability_major == 9 && device_.compute_capability_minor == 0;
   }
-  void CheckGraphReplay(MlaVerifyKernel kernel, bool overlap);
+  void CheckGraphReplay(MlaVerifyKernel kernel, bool overlap, MlaVerifyOptions::Merge merge);
 
   // The planner's choice, and on sm_90 each wgmma kernel forced on the same inputs.
   std::vector<MlaVerifyKernel> WgmmaKernels() const {
@@ -379,8 +413,9 @@ TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
 }
 
 // The merge kernel's block follows NSPLIT (from one warp with a split per group to 16 groups of
-// 16 splits): one of each size, on a context long enough for many real splits, for each kernel
-// (the wide one leaves bf16 partials, the others fp32).
+// 16 splits), and so does the in-grid merge's lane layout (1, 2, 4 or 8 splits a lane): one of
+// each size, on a context long enough for many real splits, for each kernel (the wide one leaves
+// bf16 partials, the others fp32) and each merge.
 TEST_F(CudaMlaVerifyTest, MergeKernelOfEverySize) {
   std::mt19937 rng(2024);
   BatchSpec spec;
@@ -476,13 +511,18 @@ TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
 TEST_F(CudaMlaVerifyTest, GraphReplayMatchesEagerAsContextsGrow) {
   for (MlaVerifyKernel kernel : WgmmaKernels()) {
     for (bool overlap : {false, true}) {
-      SCOPED_TRACE(testing::Message() << MlaVerifyKernelName(kernel) << " overlap " << overlap);
-      CheckGraphReplay(kernel, overlap);
+      for (MlaVerifyOptions::Merge merge :
+           {MlaVerifyOptions::Merge::kAuto, MlaVerifyOptions::Merge::kSeparateKernel}) {
+        SCOPED_TRACE(testing::Message() << MlaVerifyKernelName(kernel) << " overlap " << overlap
+                                        << " merge " << static_cast<int>(merge));
+        CheckGraphReplay(kernel, overlap, merge);
+      }
     }
   }
 }
 
-void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap) {
+void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap,
+                                         MlaVerifyOptions::Merge merge) {
   std::mt19937 rng(13);
   BatchSpec spec;
   spec.heads = 8;
@@ -492,10 +532,12 @@ void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap) {
   Problem longer(spec, rng);
   const MlaVerifyShape shape = longer.Shape();
   absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(
-      shape, device_, {.min_split_keys = 64, .kernel = kernel, .overlap_predecessor = overlap});
+      shape, device_,
+      {.min_split_keys = 64, .kernel = kernel, .overlap_predecessor = overlap, .merge = merge});
   ASSERT_TRUE(plan.ok()) << plan.status();
   DeviceProblem device(longer);
   DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan->workspace_bytes, 256));
+  ASSERT_TRUE(PrepareMlaVerifyWorkspace(workspace.get(), plan->workspace_bytes, nullptr).ok());
   // The same cache and trees with shorter committed prefixes: another step of the sequences.
   const std::vector<int32_t> shorter = {700, 2100};
   DeviceBuffer<int32_t> other_lengths(2);
@@ -559,6 +601,14 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   EXPECT_LE(plan->waves, 1.0);
   EXPECT_GT(plan->workspace_bytes, 0);
   EXPECT_TRUE(plan->stagger_first_tiles) << "72 packed rows are memory-bound";
+  // The split blocks merge themselves only up to 40 splits (66 on an H200: the merge kernel).
+  EXPECT_EQ(plan->merge_in_grid, HasWgmma() && plan->nsplit <= 40);
+  shape.max_rows_per_seq = 64;
+  shape.row_capacity = 64;
+  plan = PlanMlaVerify(shape, device_, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_LE(plan->nsplit, 40);
+  EXPECT_EQ(plan->merge_in_grid, HasWgmma()) << "8 wide row tiles of few splits merge in the grid";
   shape.num_seqs = 64;
   shape.max_rows_per_seq = 64;
   shape.row_capacity = 64 * 64;
@@ -567,6 +617,14 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   EXPECT_EQ(plan->nsplit, 1);
   EXPECT_EQ(plan->workspace_bytes, 0);
   EXPECT_FALSE(plan->stagger_first_tiles) << "512 packed rows are compute-bound";
+  // Split blocks that are not all resident at once cannot wait for each other.
+  plan = PlanMlaVerify(shape, device_,
+                       {.forced_nsplit = 4, .merge = MlaVerifyOptions::Merge::kInGrid});
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
+  plan = PlanMlaVerify(shape, device_, {.forced_nsplit = 4});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_GT(plan->waves, 1.0);
+  EXPECT_FALSE(plan->merge_in_grid);
 }
 
 // The split rule (host and device code): the splits of a sequence cover its key tiles exactly

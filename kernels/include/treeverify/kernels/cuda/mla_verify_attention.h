@@ -6,13 +6,15 @@
 //                        .num_heads = 8, .latent_dim = 512, .rope_dim = 64, .page_size = 64};
 //   absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
 //   // workspace: plan->workspace_bytes of device memory, allocated once for the largest plan
+//   PrepareMlaVerifyWorkspace(workspace, workspace_bytes, stream);  // once, after allocating
 //   MlaVerifyAttention(params, shape, *plan, workspace, stream);
 //
 // The plan depends on the shape only, never on the context lengths (they live on the device):
 // each block derives its key range from committed_lengths, so one captured launch serves every
 // step of a growing context. Key ranges are whole 64-key tiles; a sequence with T keys (prefix
 // plus its own tree nodes) has at most min(NSPLIT, T / min_split_keys) splits, at least one,
-// whose partial results a second kernel merges by log-sum-exp (skipped when NSPLIT is 1).
+// whose partial results are merged by log-sum-exp (nothing to merge when NSPLIT is 1): by the
+// split blocks themselves when the launch is one wave, else by a second kernel.
 // docs/cuda-attention.md has the details.
 #pragma once
 
@@ -67,9 +69,14 @@ struct MlaVerifyOptions {
   // tree nodes' own keys may come from the previous kernel. (The merge kernel always overlaps the
   // split kernel's tail; that is internal to the op.)
   bool overlap_predecessor = false;
+  // Who merges the splits: kAuto as MlaVerifyPlan::merge_in_grid says; the others force it
+  // (benchmarks, tests). kInGrid needs the wide kernel in one wave (else FAILED_PRECONDITION).
+  enum class Merge { kAuto, kSeparateKernel, kInGrid };
+  Merge merge = Merge::kAuto;
   // Profiling aid for the wgmma kernels (null in production): a device buffer of
-  // 5 * plan.blocks uint64 that each block fills with %globaltimer at its start, when its first
-  // key tile has landed, after its last tile, at its end (ns), and its multiprocessor id.
+  // 7 * plan.blocks uint64 that each block fills with %globaltimer at its start, when its first
+  // key tile has landed, after its last tile, at its end (ns), its multiprocessor id, and under
+  // the in-grid merge when it arrives with its partial result and when the group releases it.
   uint64_t* timestamps = nullptr;
 };
 
@@ -86,6 +93,13 @@ struct MlaVerifyPlan {
   int64_t smem_bytes = 0;
   int64_t workspace_bytes = 0;  // partial outputs and log-sum-exps; 0 when nsplit == 1
   bool overlap_predecessor = false;
+  // The split blocks merge their results themselves (no second kernel): set for wide-kernel
+  // launches of 2..40 splits whose blocks are all resident at once (waves <= 1), where the
+  // blocks of a (sequence, row tile) wait for each other at a counter in the workspace
+  // (bench/NOTES.md, step 56). Needs the workspace prepared (PrepareMlaVerifyWorkspace) and no
+  // other work that holds multiprocessors until this launch ends (true of kernels in one
+  // stream).
+  bool merge_in_grid = false;
   // Memory-bound shapes (packed rows per sequence under the roofline's ridge): a block requests
   // its second key tile only once its first has landed, so that the first computes while the
   // second lands (bench/NOTES.md, step 38).
@@ -103,7 +117,13 @@ int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity);
 absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
                                             const MlaVerifyOptions& options);
 
-// Runs the plan on `stream`. `workspace` holds at least plan.workspace_bytes (256-byte aligned).
+// Zeroes the in-grid merge's counters at the front of a workspace of `bytes` (256-byte aligned),
+// on `stream`: once after allocating it, or after anything but MlaVerifyAttention wrote it.
+// Every launch leaves them zeroed, so plans of any shape can share the workspace afterwards.
+absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStream_t stream);
+
+// Runs the plan on `stream`. `workspace` holds at least plan.workspace_bytes (256-byte aligned)
+// and was prepared by PrepareMlaVerifyWorkspace.
 // Invalid shapes are INVALID_ARGUMENT; the device-side inputs (lengths, page table, masks) are
 // trusted as the CPU backend validates them: a page index outside the cache reads zeros.
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& params, const MlaVerifyShape& shape,
