@@ -655,7 +655,7 @@ int main(int argc, char** argv) {
     if (bytes <= workspace_bytes) return;
     if (workspace) CHECK_CUDA(cudaFree(workspace));
     CHECK_CUDA(cudaMalloc(&workspace, bytes));
-    CheckStatus(tvc::PrepareMlaVerifyWorkspace(workspace, bytes, nullptr), "workspace");
+    CheckStatus(tvc::PrepareMlaVerifyWorkspace(workspace, bytes, stream), "workspace");
     workspace_bytes = bytes;
   };
 

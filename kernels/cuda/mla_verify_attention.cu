@@ -167,7 +167,7 @@ int32_t ChooseSplits(int64_t base_blocks, int64_t capacity, const MlaVerifyOptio
 // Whether the split blocks merge their results themselves (MlaVerifyPlan::merge_in_grid): only
 // where they are all resident at once, and with a counter pair per (sequence, row tile) in the
 // workspace's fixed counter area. By measurement (bench/NOTES.md, step 56) the planner takes it
-// for the wide kernel up to kMaxSplitsMergedInGrid splits: 2-11 % faster at NSPLIT 5..33 (H=8
+// for the wide kernel up to kMaxSplitsMergedInGrid splits: 2-17 % faster at NSPLIT 2..33 (H=8
 // Q=64, H=64 Q=9, batch 8), 1-2.5 us slower at 44..132, where both merges are bound by reading
 // the partial results back and the merge kernel has more loads in flight; for the narrow kernel
 // 0.7-1.8 us slower at every NSPLIT tried.

@@ -538,6 +538,7 @@ void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap,
   DeviceProblem device(longer);
   DeviceBuffer<uint8_t> workspace(std::max<int64_t>(plan->workspace_bytes, 256));
   ASSERT_TRUE(PrepareMlaVerifyWorkspace(workspace.get(), plan->workspace_bytes, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the launches below use their own stream
   // The same cache and trees with shorter committed prefixes: another step of the sequences.
   const std::vector<int32_t> shorter = {700, 2100};
   DeviceBuffer<int32_t> other_lengths(2);
