@@ -35,12 +35,6 @@ __device__ inline uint32_t LoadAcquireGpu(const uint32_t* address) {
   return value;
 }
 
-__device__ inline uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
 inline constexpr int kMergeBarrier = 7;  // named barrier of the 256 threads that merge
 inline constexpr int kMergeThreads = 256;
 
@@ -57,9 +51,9 @@ __device__ inline void ArriveAndWaitForSplits(uint32_t* counters, int group, int
   uint32_t* arrivals = counters + 2 * group;
   __threadfence();  // the block's partial results (ordered by the barrier) before the arrival
   atomicAdd(arrivals, 1u);
-  const uint64_t start = GlobalTimerNs();
+  const uint64_t start = sm90::GlobalTimerNs();
   for (uint32_t polls = 1; LoadAcquireGpu(arrivals) < static_cast<uint32_t>(splits); ++polls) {
-    if (polls % 4096 == 0 && GlobalTimerNs() - start > kMergeWaitLimitNs) MergeWaitTimedOut();
+    if (polls % 4096 == 0 && sm90::GlobalTimerNs() - start > kMergeWaitLimitNs) MergeWaitTimedOut();
   }
   __threadfence();
 }

@@ -83,8 +83,7 @@ enum TimestampPoint {
 inline constexpr int kTimestampsPerBlock = 7;
 __device__ inline void RecordTimestamp(uint64_t* timestamps, int what) {
   if (timestamps == nullptr) return;
-  uint64_t now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const uint64_t now = sm90::GlobalTimerNs();
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   uint64_t* mine = timestamps + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) *
