@@ -393,14 +393,17 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   }
   sm90::NamedBarrier<kStagingBarrier, 256>();
   // The final output or this split's partial, both bf16 normalized by this block's sum.
-  constexpr int kPieces = kWgmmaLatent / 8;  // 16-byte pieces per row
+  constexpr int kPieces = kWgmmaLatent / 8;         // 16-byte pieces per row
+  const uint64_t keep = sm90::L2EvictLastPolicy();  // partials: read back by the merge
   for (int u = threadIdx.x; u < valid_rows * kPieces; u += 256) {
     const int r = u / kPieces;
     const int d = (u % kPieces) * 8;
-    __nv_bfloat16* dst = write_final ? p.out + (global_row0 + r) * kWgmmaLatent
-                                     : args.partial.Out<__nv_bfloat16>(seq, split, row0 + r);
-    *reinterpret_cast<uint4*>(dst + d) =
-        *reinterpret_cast<const uint4*>(staging + r * kStagingStride + d);
+    const uint4 v = *reinterpret_cast<const uint4*>(staging + r * kStagingStride + d);
+    if (write_final) {
+      *reinterpret_cast<uint4*>(p.out + (global_row0 + r) * kWgmmaLatent + d) = v;
+    } else {
+      sm90::StoreGlobalHinted(args.partial.Out<__nv_bfloat16>(seq, split, row0 + r) + d, v, keep);
+    }
   }
   if (args.merge_in_grid && !write_final) {
     // The staging rows fit in stage 0 (see kStagingStride): stage 1 is free.

@@ -114,6 +114,8 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   sm90::PrefetchTensorMap(q_map);
   const int32_t keys = span.keys();
   const int32_t* page_table = p.page_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
+  // Key tiles are read once per row tile: first out of L2, so the partial results stay there.
+  const uint64_t evict_first = sm90::L2EvictFirstPolicy();
   auto load_tile = [&](int i) {
     const int stage = i & 1;
     if (i >= 2) sm90::MbarrierWait(&empty[stage], ((i >> 1) - 1) & 1);
@@ -126,8 +128,8 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
       const int key = key0 + b * args.box_rows;
       const int y = page_table[key / p.page_size] * p.page_size + key % p.page_size;
       for (int c = 0; c < kWgmmaChunks; ++c) {
-        sm90::TmaLoad2d(stage_smem + c * kMlaKeyTile * 128 + b * args.box_rows * 128, kv_map,
-                        c * 64, y, &full[stage]);
+        sm90::TmaLoad2dHinted(stage_smem + c * kMlaKeyTile * 128 + b * args.box_rows * 128, kv_map,
+                              c * 64, y, &full[stage], evict_first);
       }
     }
   };
@@ -511,11 +513,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
     if (ctid < valid_rows) p.lse[global_row0 + ctid] = lse_out[ctid];
   } else {
+    const uint64_t keep = sm90::L2EvictLastPolicy();  // read back by the merge
     for (int u = ctid; u < valid_rows * (kWgmmaLatent / 4); u += 256) {
       const int r = u / (kWgmmaLatent / 4);
       const int d = (u % (kWgmmaLatent / 4)) * 4;
-      *reinterpret_cast<float4*>(args.partial.Out<float>(seq, split, row0 + r) + d) =
-          *reinterpret_cast<const float4*>(staging + r * kOutStride + d);
+      sm90::StoreGlobalHinted(args.partial.Out<float>(seq, split, row0 + r) + d,
+                              *reinterpret_cast<const uint4*>(staging + r * kOutStride + d), keep);
     }
     if (ctid < valid_rows) {
       args.partial.lse[args.partial.Index(seq, split, row0 + ctid)] = lse_out[ctid];

@@ -75,6 +75,35 @@ __device__ inline void TmaLoad2d(void* smem_dst, const CUtensorMap* map, int32_t
       : "memory");
 }
 
+// L2 eviction policies (createpolicy) for the cache-hinted loads and stores below.
+__device__ inline uint64_t L2EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ inline uint64_t L2EvictLastPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// TmaLoad2d with an L2 eviction policy for the loaded lines.
+__device__ inline void TmaLoad2dHinted(void* smem_dst, const CUtensorMap* map, int32_t x, int32_t y,
+                                       uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(SmemAddress(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(SmemAddress(bar)), "l"(policy)
+      : "memory");
+}
+
+// A 16-byte global store with an L2 eviction policy.
+__device__ inline void StoreGlobalHinted(void* dst, uint4 v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+}
+
 __device__ inline void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
