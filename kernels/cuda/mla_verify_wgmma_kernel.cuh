@@ -115,8 +115,8 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
   const int32_t keys = span.keys();
   const int32_t* page_table = p.page_table + static_cast<int64_t>(seq) * p.max_pages_per_seq;
   // A block reads its key tiles once: first out of L2, so that the partial results (stored
-  // evict-last) are still there when the merge reads them (bench/NOTES.md, step 57; the blocks
-  // of other row tiles that read the same tiles lost at most 1-2 %).
+  // evict-last) are still there when the merge reads them (bench/NOTES.md, step 57: 1-6 % faster
+  // at batch 1; launches whose other row tiles read the same tiles at most 2.4 % slower).
   const uint64_t evict_first = sm90::L2EvictFirstPolicy();
   auto load_tile = [&](int i) {
     const int stage = i & 1;
