@@ -9,6 +9,14 @@
 #                                        and compute-sanitizer on small cases
 #   scripts/gpu-check.sh bench [OUTDIR] [ARGS...]  on the GPU machine: the GPU benchmarks
 #
+# A/B runs of the attention benchmark (bench/NOTES.md: both builds in one call, alternated):
+#   scripts/gpu-check.sh bundle-bench REV DIR    here: mla_verify_bench of git revision REV,
+#                                                built in a temporary worktree, bundled into DIR
+#   scripts/gpu-check.sh ab OUTDIR DIR... [-- ARGS...]  on the GPU machine: the benchmark of each
+#                                                bundle DIR, alternated twice, ARGS passed on
+#                                                (e.g. --only 8,1,16384,1); OUTDIR/NAME-PASS.json
+#   scripts/bench-compare.py OUTDIR              here: the table of those runs
+#
 # With the device tool: carry .gpu-bundle and run
 #   bash scripts/gpu-check.sh run $OUT && bash scripts/gpu-check.sh bench $OUT
 set -euo pipefail
@@ -90,8 +98,48 @@ case "${1:-}" in
     "$bundle/bin/wgmma_shape_probe" --out "$out"
     "$bundle/bin/mla_verify_bench" --out "$out" "${@:3}"
     ;;
+  bundle-bench)
+    rev=${2:?usage: $0 bundle-bench REV DIR}
+    dir=${3:?usage: $0 bundle-bench REV DIR}
+    tree=$(mktemp -d /tmp/treeverify-rev.XXXXXX)
+    git -C "$root" worktree add --detach -q "$tree" "$rev"
+    trap 'git -C "$root" worktree remove --force "$tree"' EXIT
+    cmake -S "$tree" -B "$tree/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DTREEVERIFY_WERROR=ON -DTREEVERIFY_CUDA=ON \
+      >/dev/null
+    cmake --build "$tree/build-gpu" --target mla_verify_bench --parallel "${JOBS:-$(nproc)}"
+    rm -rf "$dir"
+    bash "$root/../shared/tools/gpu-bundle.sh" "$dir" "$tree/build-gpu/bench/mla_verify_bench"
+    ;;
+  ab)
+    out=${2:?usage: $0 ab OUTDIR DIR... [-- ARGS...]}
+    shift 2
+    dirs=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+      dirs+=("$1")
+      shift
+    done
+    if [ "${1:-}" = -- ]; then shift; fi
+    mkdir -p "$out"
+    for pass in 1 2; do
+      for dir in "${dirs[@]}"; do
+        name=$(basename "$dir")
+        scratch=$(mktemp -d)
+        # shellcheck disable=SC1091
+        if ! (source "$dir/env.sh" && "$dir/bin/mla_verify_bench" --out "$scratch" "$@" \
+            >"$scratch/log" 2>&1); then
+          echo "gpu-check: $name failed (pass $pass)" >&2
+          tail -n 20 "$scratch/log" >&2
+          exit 1
+        fi
+        cp "$scratch/mla_verify.json" "$out/$name-$pass.json"
+        rm -rf "$scratch"
+      done
+    done
+    ;;
   *)
-    echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...]" >&2
+    echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...] |" \
+      "bundle-bench REV DIR | ab OUTDIR DIR... [-- ARGS...]" >&2
     exit 2
     ;;
 esac
