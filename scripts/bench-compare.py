@@ -33,7 +33,7 @@ def load_runs(out_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--base", help="the build the others are compared with (default: the first)")
+    parser.add_argument("--base", help="the build the others are compared with (default: first)")
     args = parser.parse_args()
     runs = load_runs(args.out_dir)
     if not runs:
