@@ -496,7 +496,7 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
 // earliest block start.
 void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, cudaStream_t stream,
                    const std::string& out_dir) {
-  constexpr int kPerBlock = 7;  // MlaVerifyOptions::timestamps
+  constexpr int kPerBlock = tvc::kMlaVerifyTimestampsPerBlock;
   const int64_t entries = int64_t{plan.blocks} * kPerBlock;
   uint64_t* stamps;
   CHECK_CUDA(cudaMalloc(&stamps, entries * 8));

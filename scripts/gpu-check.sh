@@ -104,10 +104,8 @@ case "${1:-}" in
     tree=$(mktemp -d /tmp/treeverify-rev.XXXXXX)
     git -C "$root" worktree add --detach -q "$tree" "$rev"
     trap 'git -C "$root" worktree remove --force "$tree"' EXIT
-    cmake -S "$tree" -B "$tree/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DTREEVERIFY_WERROR=ON -DTREEVERIFY_CUDA=ON \
-      >/dev/null
-    cmake --build "$tree/build-gpu" --target mla_verify_bench --parallel "${JOBS:-$(nproc)}"
+    SOURCE_DIR=$tree BUILD_DIR=$tree/build-gpu TARGETS=mla_verify_bench \
+      "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON >/dev/null
     rm -rf "$dir"
     bash "$root/../shared/tools/gpu-bundle.sh" "$dir" "$tree/build-gpu/bench/mla_verify_bench"
     ;;

@@ -80,14 +80,14 @@ enum TimestampPoint {
   kPartialStored = 5,  // in-grid merge: the block's partial result is out; it arrives
   kMergeReleased = 6,  // in-grid merge: the group's last split has arrived
 };
-inline constexpr int kTimestampsPerBlock = 7;
+static_assert(kMergeReleased + 1 == kMlaVerifyTimestampsPerBlock, "one entry per point");
 __device__ inline void RecordTimestamp(uint64_t* timestamps, int what) {
   if (timestamps == nullptr) return;
   const uint64_t now = sm90::GlobalTimerNs();
   uint32_t sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   uint64_t* mine = timestamps + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) *
-                                    kTimestampsPerBlock;
+                                    kMlaVerifyTimestampsPerBlock;
   mine[what] = now;
   mine[kSmId] = sm;
 }

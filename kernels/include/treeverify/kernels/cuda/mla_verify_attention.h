@@ -56,6 +56,9 @@ enum class MlaVerifyKernel {
 };
 const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
 
+// Entries per block of MlaVerifyOptions::timestamps.
+inline constexpr int kMlaVerifyTimestampsPerBlock = 7;
+
 struct MlaVerifyOptions {
   int32_t min_split_keys = 64;  // a split never covers fewer keys (unless T is smaller)
   int32_t forced_nsplit = 0;    // > 0: use this NSPLIT (benchmarks sweep it)
@@ -74,9 +77,10 @@ struct MlaVerifyOptions {
   enum class Merge { kAuto, kSeparateKernel, kInGrid };
   Merge merge = Merge::kAuto;
   // Profiling aid for the wgmma kernels (null in production): a device buffer of
-  // 7 * plan.blocks uint64 that each block fills with %globaltimer at its start, when its first
-  // key tile has landed, after its last tile, at its end (ns), its multiprocessor id, and under
-  // the in-grid merge when it arrives with its partial result and when the group releases it.
+  // kMlaVerifyTimestampsPerBlock * plan.blocks uint64 that each block fills with %globaltimer at
+  // its start, when its first key tile has landed, after its last tile, at its end (ns), its
+  // multiprocessor id, and under the in-grid merge when it arrives with its partial result and when
+  // the group releases it.
   uint64_t* timestamps = nullptr;
 };
 
