@@ -43,9 +43,10 @@ WgmmaVariant Narrow() {
   return {&mla::MlaVerifyWgmmaKernel<kRows>, mla::WgmmaSmem<kRows>::kBytes};
 }
 
-WgmmaVariant WgmmaVariantFor(MlaVerifyKernel kernel, int rows) {
+WgmmaVariant WgmmaVariantFor(MlaVerifyKernel kernel, int rows, bool merge_in_grid = false) {
   if (kernel == MlaVerifyKernel::kWgmmaWide) {
-    return {&mla::MlaVerifyRows64Kernel, mla::Rows64Smem::kBytes};
+    return {merge_in_grid ? &mla::MlaVerifyRows64Kernel<true> : &mla::MlaVerifyRows64Kernel<false>,
+            mla::Rows64Smem::kBytes};
   }
   switch (rows) {
     case 8:
@@ -305,6 +306,11 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   }
   TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(plan.smem_bytes)));
+  if (plan.kernel == MlaVerifyKernel::kWgmmaWide) {  // its in-grid merge variant too
+    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        WgmmaVariantFor(plan.kernel, plan.row_tile, /*merge_in_grid=*/true).kernel,
+        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes)));
+  }
   TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &plan.blocks_per_sm, kernel, threads, static_cast<size_t>(plan.smem_bytes)));
   if (plan.blocks_per_sm <= 0) {
@@ -389,9 +395,10 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
                               plan.merge_in_grid,
                               plan.stagger_first_tiles,
                               plan.timestamps};
-    TV_RETURN_IF_ERROR(Launch(WgmmaVariantFor(plan.kernel, plan.row_tile).kernel, grid,
-                              mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
-                              "MLA verify split kernel launch", args, kv_map, q_map));
+    TV_RETURN_IF_ERROR(
+        Launch(WgmmaVariantFor(plan.kernel, plan.row_tile, plan.merge_in_grid).kernel, grid,
+               mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
+               "MLA verify split kernel launch", args, kv_map, q_map));
   } else {
     const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),
                          static_cast<unsigned>(shape.num_seqs));

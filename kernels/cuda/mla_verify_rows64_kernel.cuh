@@ -99,6 +99,9 @@ __device__ inline void MergeInGrid(const WgmmaArgs& args, const MergeGroup& grou
   MergeShare(args.p, args.partial, group, scratch, threadIdx.x);
 }
 
+// kMergeInGrid: WgmmaArgs::merge_in_grid, as a template parameter so that launches with the merge
+// kernel do not carry the in-grid merge's code (bench/NOTES.md, step 60).
+template <bool kMergeInGrid>
 __global__ void __launch_bounds__(kWgmmaThreads, 1)
     MlaVerifyRows64Kernel(const __grid_constant__ WgmmaArgs args,
                           const __grid_constant__ CUtensorMap kv_map,
@@ -106,8 +109,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = Rows64Smem;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* smem = sm90::AlignSharedUp<1024>(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
   uint64_t* empty = full + 2;
   uint64_t* q_ready = full + 4;
@@ -363,9 +365,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int valid_rows = min(kRows64, rows - row0);
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
   // A sequence of one split needs no merge: under the in-grid merge its block writes the output.
-  const int splits =
-      args.merge_in_grid ? NumSplits(keys, args.partial.nsplit, args.min_split_keys) : 0;
-  const bool write_final = args.direct_output || (args.merge_in_grid && splits == 1);
+  const int splits = kMergeInGrid ? NumSplits(keys, args.partial.nsplit, args.min_split_keys) : 0;
+  const bool write_final = args.direct_output || (kMergeInGrid && splits == 1);
   // The rows go out through shared memory (the key stages are free now), in bf16 whether final
   // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that
   // fill half of a 32-byte sector make the L2 read the sector first (bench/NOTES.md, step 33).
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       sm90::StoreGlobalHinted(args.partial.Out<__nv_bfloat16>(seq, split, row0 + r) + d, v, keep);
     }
   }
-  if (args.merge_in_grid && !write_final) {
+  if (kMergeInGrid && !write_final) {
     // The staging rows fit in stage 0 (see kStagingStride): stage 1 is free.
     static_assert(kRows64 * kStagingStride * 2 <= kStageBytes &&
                   kMergeScratchFloats * 4 <= kStageBytes);

@@ -175,11 +175,14 @@ __device__ inline void InitStageBarriers(uint64_t* full, uint64_t* q_ready, int 
 // them; the caller then synchronizes the warpgroup.
 __device__ inline void ZeroRowsFrom(uint8_t* stage_smem, int valid, int tid, int first_chunk = 0,
                                     int chunks = kWgmmaChunks) {
-  const int units = (kMlaKeyTile - valid) * 8;  // 16-byte units per chunk
+  // Thread tid clears 16-byte unit tid % 8 of rows valid + tid / 8, + 16, ... of every chunk:
+  // no division by the run-time row count in the kernels' tile loops.
   stage_smem += first_chunk * kMlaKeyTile * 128;
-  for (int u = tid; u < units * chunks; u += 128) {
-    reinterpret_cast<uint4*>(stage_smem + (u / units) * kMlaKeyTile * 128 +
-                             valid * 128)[u % units] = make_uint4(0, 0, 0, 0);
+  for (int r = valid + tid / 8; r < kMlaKeyTile; r += 16) {
+    for (int c = 0; c < chunks; ++c) {
+      reinterpret_cast<uint4*>(stage_smem + c * kMlaKeyTile * 128 + r * 128)[tid % 8] =
+          make_uint4(0, 0, 0, 0);
+    }
   }
   sm90::FenceProxyAsync();
 }
@@ -273,8 +276,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   constexpr int kColsPerThread = kRows / 4;  // accumulator columns (packed rows) a thread holds
   constexpr int kAcc = kRows / 2;            // fp32 accumulators per thread per m64 block
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* smem = sm90::AlignSharedUp<1024>(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
   uint64_t* empty = full + 2;
   uint64_t* q_ready = full + 4;

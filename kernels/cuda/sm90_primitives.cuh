@@ -25,6 +25,16 @@ __device__ inline uint32_t SmemAddress(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// `smem` (dynamic shared memory) advanced to the next multiple of kAlign of its shared-space
+// address. By pointer arithmetic on `smem` itself, so that the compiler still knows the result
+// points to shared memory and emits LDS/STS for it; an integer round trip (uintptr_t) would make
+// every access through it a generic LD/ST.
+template <int kAlign>
+__device__ inline uint8_t* AlignSharedUp(uint8_t* smem) {
+  const uint32_t address = SmemAddress(smem);
+  return smem + (((address + kAlign - 1) & ~static_cast<uint32_t>(kAlign - 1)) - address);
+}
+
 // Byte offset of element `col` (bf16) of row `row` in a 128-byte-swizzled tile.
 __host__ __device__ constexpr uint32_t Swizzle128(uint32_t row, uint32_t col) {
   return row * 128u + ((((col * 2u) >> 4) ^ (row & 7u)) << 4) + ((col * 2u) & 15u);
