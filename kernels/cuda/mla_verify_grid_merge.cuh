@@ -8,7 +8,8 @@
 // back (about 1.5 TB/s at batch 1), and with one block of 256 threads per multiprocessor this
 // merge has fewer loads in flight than the merge kernel: it wins where the merge kernel's blocks
 // are many and light (many row tiles of few splits) and loses from about 44 splits up, so the
-// planner takes it up to 40 (bench/NOTES.md, step 56).
+// planner takes it up to 40 (bench/NOTES.md, step 56; with step 61's shorter code still 1-8 %
+// slower at 66 and 132 splits).
 //
 // Forward progress: a block waits for the other splits of its group only, all of which are
 // resident or about to be (one wave, and a programmatic dependent launch of the next kernel
@@ -43,19 +44,20 @@ __device__ __noinline__ void MergeWaitTimedOut() { __trap(); }
 
 // One thread per split block, after a block barrier that follows the block's stores of its
 // partial result: returns once all `splits` blocks of `group` have arrived, their results
-// visible. The group's words are [arrivals, departures]; a block arrives by a fenced increment
+// visible. The group's words are [arrivals, departures]; a block arrives by a release increment
 // and waits until the arrivals reach `splits` (one hop after the last arrival lands, where a
 // separate release flag would take two). DepartFromSplits resets both once every block of the
 // group has seen the arrivals complete.
 __device__ inline void ArriveAndWaitForSplits(uint32_t* counters, int group, int splits) {
   uint32_t* arrivals = counters + 2 * group;
-  __threadfence();  // the block's partial results (ordered by the barrier) before the arrival
-  atomicAdd(arrivals, 1u);
+  // A release arrival publishes the block's partial results (ordered before it by the barrier);
+  // the acquire polls make the other blocks' visible to this block (ordered after by the next
+  // barrier). No sequentially consistent fence (__threadfence) either side.
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrivals) : "memory");
   const uint64_t start = sm90::GlobalTimerNs();
   for (uint32_t polls = 1; LoadAcquireGpu(arrivals) < static_cast<uint32_t>(splits); ++polls) {
     if (polls % 4096 == 0 && sm90::GlobalTimerNs() - start > kMergeWaitLimitNs) MergeWaitTimedOut();
   }
-  __threadfence();
 }
 
 // One thread per split block, after ArriveAndWaitForSplits: the last block of the group to get
@@ -68,22 +70,16 @@ __device__ inline void DepartFromSplits(uint32_t* counters, int group, int split
   }
 }
 
-// 8 bf16 dims (16 bytes) of a partial output row, read from L2 (other multiprocessors wrote
-// them).
-struct PartialDims8 {
-  static constexpr int kDims = 8;
-  uint4 raw;
-  __device__ void Load(const __nv_bfloat16* p) { raw = __ldcg(reinterpret_cast<const uint4*>(p)); }
-  __device__ void AddTo(float (&acc)[kDims], float w) const {
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+// 8 bf16 dims (16 bytes) of a partial output row, added with a weight into 8 fp32 sums.
+__device__ inline void AddBf16x8(float (&acc)[8], uint4 raw, float w) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-      acc[2 * i] += w * f.x;
-      acc[2 * i + 1] += w * f.y;
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    acc[2 * i] += w * f.x;
+    acc[2 * i + 1] += w * f.y;
   }
-};
+}
 
 // A group's rows and this block's place among its splits.
 struct MergeGroup {
@@ -99,6 +95,9 @@ struct MergeGroup {
 // a share spans splits / 4 rows past its chunks' own, and two partial rows) and the slots' sums.
 inline constexpr int kMergeWeightFloats = 64 + 3 * kMaxSplits;
 inline constexpr int kMergeScratchFloats = kMergeWeightFloats + 16 * 128;
+// The partial pieces a thread has in flight (one round), and the shared memory they land in.
+inline constexpr int kMergePiecesPerRound = 16;
+inline constexpr int kMergePieceBytes = kMergePiecesPerRound * kMergeThreads * 16;
 
 // 8 floats to bf16, in one 16-byte store.
 __device__ inline void StoreBf16x8(__nv_bfloat16* dst, const float (&v)[8]) {
@@ -108,25 +107,30 @@ __device__ inline void StoreBf16x8(__nv_bfloat16* dst, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
 }
 
-// This block's share of its group's merge, by kMergeThreads threads (`tid`) and `scratch` in
-// shared memory. The group's rows are cut into chunks of 16 x 16 bytes of partial output (128
-// dims); the block takes chunks [split * chunks / splits, ...), about
-// rows * 2 KB / 64 of reads whatever the number of splits.
+// This block's share of its group's merge, by kMergeThreads threads (`tid`), `scratch` and
+// `pieces` (kMergePieceBytes) in shared memory. The group's rows are cut into chunks of 16 x 16
+// bytes of partial output (128 dims); the block takes chunks [split * chunks / splits, ...),
+// about rows * 2 KB / 64 of reads whatever the number of splits.
 //  - 16 threads read a chunk of one split, 16 bytes each, side by side (whole sectors); the 16
 //    slots of 16 threads take G = 16 / chunks (a power of two) splits apart of each chunk, or
-//    chunks apart when there are 16 or more. A thread issues up to kBatch loads before it uses
-//    any, and its first batch before the weights below, so that both round trips overlap.
+//    chunks apart when there are 16 or more. A thread copies up to kMergePiecesPerRound pieces
+//    into its own slots of `pieces` with cp.async before it uses any, its first round before the
+//    weights below, so that both round trips overlap.
 //  - Each row the share touches gets its splits' weights, exp(lse_s - max) / sum, a warp per
 //    row, its lanes over splits; the block that holds a row's first chunk writes its LSE.
 //  - The slots of a chunk add their weighted sums through `scratch` in slot order: the result
 //    depends on NSPLIT only.
+// The code is short on purpose: it runs once per block, so every instruction is fetched cold,
+// and an unrolled form (24 loads in registers, 2700 instructions) spent most of its time waiting
+// for instructions (ncu, bench/NOTES.md step 61).
+// kLatentDim: p.latent_dim, known to the caller (no run-time divisions by chunks_per_row).
+template <int kLatentDim>
 __device__ inline void MergeShare(const MlaVerifyParamsBf16& p, const PartialLayout& partial,
-                                  const MergeGroup& g, float* scratch, int tid) {
-  using Piece = PartialDims8;
-  constexpr int kDims = Piece::kDims;
+                                  const MergeGroup& g, float* scratch, uint8_t* pieces, int tid) {
+  constexpr int kDims = 8;
   constexpr int kChunkDims = 16 * kDims;
-  constexpr int kBatch = 24;
-  const int chunks_per_row = p.latent_dim / kChunkDims;
+  static_assert(kLatentDim % kChunkDims == 0);
+  constexpr int chunks_per_row = kLatentDim / kChunkDims;
   const int chunks = g.valid_rows * chunks_per_row;
   const int begin = static_cast<int>(static_cast<int64_t>(chunks) * g.split / g.splits);
   const int end = static_cast<int>(static_cast<int64_t>(chunks) * (g.split + 1) / g.splits);
@@ -144,31 +148,32 @@ __device__ inline void MergeShare(const MlaVerifyParamsBf16& p, const PartialLay
   const int d = (tid % 16) * kDims;
   // Split s's piece of a chunk is `split_step` elements past split s - 1's.
   const int64_t split_step = static_cast<int64_t>(partial.max_rows) * partial.latent_dim;
-  auto piece0 = [&](int c) {  // split 0's piece of chunk c for this thread
-    return partial.Out<__nv_bfloat16>(g.seq, 0, g.row0 + c / chunks_per_row) +
-           (c % chunks_per_row) * kChunkDims + d;
-  };
-  Piece x[kBatch];
-  auto load_batch = [&](int c, int s0) {
-    const __nv_bfloat16* from = piece0(c) + s0 * split_step;
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      if (s0 + k * G < S) x[k].Load(from + k * G * split_step);
+  uint8_t* my_pieces = pieces + tid * 16;  // piece k at k * kMergeThreads * 16
+  // One round: the pieces of splits s0, s0 + G, ... (at most kMergePiecesPerRound) of chunk c;
+  // returns how many.
+  auto copy_round = [&](int c, int s0) {
+    const __nv_bfloat16* from = partial.Out<__nv_bfloat16>(g.seq, s0, g.row0 + c / chunks_per_row) +
+                                (c % chunks_per_row) * kChunkDims + d;
+    const int n = min(kMergePiecesPerRound, (S - s0 + G - 1) / G);
+    for (int k = 0; k < n; ++k) {
+      sm90::CpAsync16(my_pieces + k * kMergeThreads * 16, from + k * G * split_step);
     }
+    return n;
   };
   const int c_first = begin + slot / G;
-  if (c_first < end) load_batch(c_first, g_slot);
+  int first_round = c_first < end ? copy_round(c_first, g_slot) : 0;
 
   const int warp = tid / 32;
   const int lane = tid % 32;
   for (int rr = warp; rr < rows_here; rr += kMergeThreads / 32) {
-    const int row = g.row0 + row_first + rr;
+    // Split s's LSE of the row is s * max_rows floats past split 0's.
+    const float* lse = partial.lse + partial.Index(g.seq, lane, g.row0 + row_first + rr);
+    const int64_t lse_step = 32 * static_cast<int64_t>(partial.max_rows);  // 32 splits on
     float e[kMaxSplits / 32];
     float m = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kMaxSplits / 32; ++j) {
-      const int s = lane + 32 * j;
-      e[j] = s < S ? __ldcg(partial.lse + partial.Index(g.seq, s, row)) : -INFINITY;
+      e[j] = lane + 32 * j < S ? __ldcg(lse + j * lse_step) : -INFINITY;
       m = fmaxf(m, e[j]);
     }
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
@@ -193,18 +198,23 @@ __device__ inline void MergeShare(const MlaVerifyParamsBf16& p, const PartialLay
   for (int c = c_first; c < end; c += 16 / G) {
     const float* w_row = weights + (c / chunks_per_row - row_first) * S;
     float acc[kDims] = {};
-    for (int s0 = g_slot; s0 < S; s0 += G * kBatch) {
-      if (c != c_first || s0 != g_slot) load_batch(c, s0);
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
+    for (int s0 = g_slot; s0 < S; s0 += G * kMergePiecesPerRound) {
+      // A thread reads only its own pieces: its wait orders them, no barrier needed; and it has
+      // used (added) every piece of a round before the next round overwrites them.
+      const int n = first_round > 0 ? first_round : copy_round(c, s0);
+      first_round = 0;
+      sm90::CpAsyncWaitAll();
+#pragma unroll 4
+      for (int k = 0; k < n; ++k) {
         // A zero weight (an empty split's -inf) keeps the split out, whatever its bytes hold.
-        const int s = s0 + k * G;
-        if (s < S && w_row[s] != 0.f) x[k].AddTo(acc, w_row[s]);
+        const float w = w_row[s0 + k * G];
+        const uint4 raw = *reinterpret_cast<const uint4*>(my_pieces + k * kMergeThreads * 16);
+        if (w != 0.f) AddBf16x8(acc, raw, w);
       }
     }
     const int64_t out_row = g.global_row0 + c / chunks_per_row;
     if (G == 1) {
-      StoreBf16x8(p.out + out_row * p.latent_dim + (c % chunks_per_row) * kChunkDims + d, acc);
+      StoreBf16x8(p.out + out_row * kLatentDim + (c % chunks_per_row) * kChunkDims + d, acc);
     } else {
 #pragma unroll
       for (int k = 0; k < kDims; ++k) sums[slot * kChunkDims + d + k] = acc[k];
@@ -219,7 +229,7 @@ __device__ inline void MergeShare(const MlaVerifyParamsBf16& p, const PartialLay
     for (int k = 0; k < kDims; ++k) total[k] += sums[from * kChunkDims + d + k];
   }
   const int64_t out_row = g.global_row0 + c_first / chunks_per_row;
-  StoreBf16x8(p.out + out_row * p.latent_dim + (c_first % chunks_per_row) * kChunkDims + d, total);
+  StoreBf16x8(p.out + out_row * kLatentDim + (c_first % chunks_per_row) * kChunkDims + d, total);
 }
 
 }  // namespace treeverify::kernels::cuda::mla

@@ -85,9 +85,10 @@ __device__ inline uint32_t PackBf16(float lo, float hi) {
 
 // The end of a split block under the in-grid merge, by the 256 consumer threads after the
 // block's partial result is stored: meet the group's other splits, then merge this block's share.
-// `scratch`: kMergeScratchFloats of shared memory nobody uses any more.
+// `scratch` (kMergeScratchFloats) and `pieces` (kMergePieceBytes): shared memory nobody uses any
+// more once the block's threads have met at the first barrier below.
 __device__ inline void MergeInGrid(const WgmmaArgs& args, const MergeGroup& group, int group_index,
-                                   float* scratch) {
+                                   float* scratch, uint8_t* pieces) {
   sm90::NamedBarrier<kMergeBarrier, kMergeThreads>();
   if (threadIdx.x == 0) {
     RecordTimestamp(args.timestamps, kPartialStored);
@@ -96,7 +97,7 @@ __device__ inline void MergeInGrid(const WgmmaArgs& args, const MergeGroup& grou
     DepartFromSplits(args.partial.merge_counters, group_index, group.splits);
   }
   sm90::NamedBarrier<kMergeBarrier, kMergeThreads>();
-  MergeShare(args.p, args.partial, group, scratch, threadIdx.x);
+  MergeShare<kWgmmaLatent>(args.p, args.partial, group, scratch, pieces, threadIdx.x);
 }
 
 // kMergeInGrid: WgmmaArgs::merge_in_grid, as a template parameter so that launches with the merge
@@ -407,12 +408,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
   }
   if (kMergeInGrid && !write_final) {
-    // The staging rows fit in stage 0 (see kStagingStride): stage 1 is free.
+    // The staging rows fit in stage 0 (see kStagingStride), which is free again after the
+    // merge's first barrier; stage 1 is free already.
     static_assert(kRows64 * kStagingStride * 2 <= kStageBytes &&
-                  kMergeScratchFloats * 4 <= kStageBytes);
+                  kMergeScratchFloats * 4 <= kStageBytes && kMergePieceBytes <= kStageBytes);
     MergeInGrid(args, {seq, row0, valid_rows, global_row0, split, splits},
-                seq * args.row_tiles + row0 / kRows64,
-                reinterpret_cast<float*>(smem + kStageBytes));
+                seq * args.row_tiles + row0 / kRows64, reinterpret_cast<float*>(smem + kStageBytes),
+                smem);
   }
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else

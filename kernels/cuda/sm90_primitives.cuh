@@ -114,6 +114,16 @@ __device__ inline void StoreGlobalHinted(void* dst, uint4 v, uint64_t policy) {
                : "memory");
 }
 
+// 16 bytes from global memory (through L2 only) to shared memory, asynchronously: this thread's
+// later CpAsyncWaitAll waits for them. No register holds the data in flight, so a loop of these
+// keeps many loads outstanding without unrolling.
+__device__ inline void CpAsync16(void* smem_dst, const void* global_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddress(smem_dst)),
+               "l"(global_src)
+               : "memory");
+}
+__device__ inline void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 __device__ inline void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
