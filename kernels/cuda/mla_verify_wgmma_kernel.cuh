@@ -135,20 +135,16 @@ __device__ inline void ProduceTiles(const WgmmaArgs& args, const SequenceSpan& s
       }
     }
   };
-  // Tiles wholly inside the committed prefix were written by earlier steps: the first two (one per
-  // stage) are requested before waiting for the previous kernel, whose queries and tree-node keys
-  // this launch reads (see WaitForPredecessorGrid).
+  // Tiles wholly inside the committed prefix were written by earlier steps: the first is requested
+  // before waiting for the previous kernel, whose queries and tree-node keys this launch reads
+  // (see WaitForPredecessorGrid). The second follows the queries, not before them: the first scores
+  // need the first tile and the queries, and at one wave every block's requests share the L2's
+  // bandwidth (bench/NOTES.md, step 62). With args.stagger_first_tiles it follows only once the
+  // first tile has landed, so that the first computes while the second lands: that pays where the
+  // launch is memory-bound and cost 1-5 % on long compute-bound ones (step 38).
   const int num_tiles = tiles.end - tiles.begin;
-  // With args.stagger_first_tiles, only the first: when every block requests its first two tiles
-  // at once, a block's first tile lands only when most of that round has; requesting the second
-  // once the first has landed lets the first compute while the second lands. That pays where the
-  // launch is memory-bound and cost 1-5 % on long compute-bound ones (bench/NOTES.md, step 38).
-  const int early_tiles = args.stagger_first_tiles ? 1 : 2;
   int early = 0;
-  while (early < early_tiles && early < num_tiles &&
-         (tiles.begin + early + 1) * kMlaKeyTile <= span.committed) {
-    load_tile(early++);
-  }
+  if (num_tiles > 0 && (tiles.begin + 1) * kMlaKeyTile <= span.committed) load_tile(early++);
   WaitForPredecessorGrid();
   sm90::MbarrierArriveExpectTx(q_ready, kWgmmaChunks * kRows * 128);
   const int q_row = span.row_begin * p.num_heads + row0;
