@@ -199,17 +199,18 @@ __device__ inline void MergeShare(const MlaVerifyParamsBf16& p, const PartialLay
     const float* w_row = weights + (c / chunks_per_row - row_first) * S;
     float acc[kDims] = {};
     for (int s0 = g_slot; s0 < S; s0 += G * kMergePiecesPerRound) {
-      // A thread reads only its own pieces: its wait orders them, no barrier needed; and it has
-      // used (added) every piece of a round before the next round overwrites them.
+      // A thread reads only its own pieces: its wait orders them, no barrier needed.
       const int n = first_round > 0 ? first_round : copy_round(c, s0);
       first_round = 0;
       sm90::CpAsyncWaitAll();
 #pragma unroll 4
       for (int k = 0; k < n; ++k) {
         // A zero weight (an empty split's -inf) keeps the split out, whatever its bytes hold.
+        // Every piece read is used before the next round's copies overwrite it.
         const float w = w_row[s0 + k * G];
-        const uint4 raw = *reinterpret_cast<const uint4*>(my_pieces + k * kMergeThreads * 16);
-        if (w != 0.f) AddBf16x8(acc, raw, w);
+        if (w != 0.f) {
+          AddBf16x8(acc, *reinterpret_cast<const uint4*>(my_pieces + k * kMergeThreads * 16), w);
+        }
       }
     }
     const int64_t out_row = g.global_row0 + c / chunks_per_row;
