@@ -13,8 +13,9 @@
 // waits for P), so it is kept short: P goes to shared memory by stmatrix, the exponentials are
 // single MUFU ops, and a row's reference max moves only when a score passes it by more than 2^8,
 // so that most tiles need no rescale of O (bench/NOTES.md, steps 52-54). V is the first 512 dims
-// of the key tile, read as an MN-major B operand; nothing is copied. The output rows leave through
-// the free stages in 16-byte bf16 pieces.
+// of the key tile, read as an MN-major B operand; nothing is copied. Each warpgroup's output dims
+// leave, as soon as its last tile is done, through the stage that tile did not use, in 16-byte
+// bf16 pieces (bench/NOTES.md, step 64).
 //
 // Shared memory (226 KB of the 227 a block may have): two 64-key stages (72 KB each), the query
 // tile (72 KB), P (8 KB). The producer, masks and partial-tile zeroing follow the row-tile
@@ -56,12 +57,10 @@ struct Rows64Smem {
 // following tile while its own signal still counts toward the current one.
 inline constexpr int kTileReadyEven = 4;
 inline constexpr int kTileReadyOdd = 5;
-// The consumers' barrier between staging the output rows and storing them.
-inline constexpr int kStagingBarrier = 6;
 // bf16 per staged output row: 16 bytes of padding put the 8 rows a warp writes at once in
 // different banks.
 inline constexpr int kStagingStride = kWgmmaLatent + 8;
-static_assert(kRows64 * kStagingStride * 2 <= 2 * kStageBytes, "output staging fits the stages");
+static_assert(kRows64 * kStagingStride * 2 <= kStageBytes, "output staging fits one stage");
 
 __device__ inline void SignalTileReady(int tile) {
   if (tile & 1) {
@@ -145,11 +144,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       ProduceTiles<kRows64>(args, span, seq, row0, tiles, smem, Layout::kQ, full, empty, q_ready,
                             &kv_map, &q_map);
     }
-    __syncwarp();
-    // The producer warpgroup stays for the consumers' epilogue barriers, which count the
-    // whole block (so that every tool sees them as block-wide).
-    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
-    return;
+    return;  // the consumers' epilogues meet only each other (kMergeBarrier)
   }
 
   sm90::IncreaseRegisters<240>();
@@ -359,8 +354,12 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   }
 
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kLastTileDone);
-  // ---- epilogue: both warpgroups hold the final row max and sum; each stages its dims ----
-  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  // ---- epilogue: both warpgroups hold the final row max and sum; each stages and stores its
+  // own 256 dims as soon as its last tile is done, without waiting for the other ----
+  // The stage the last tile did not use is free once both warpgroups have released the tile
+  // before (num_tiles - 2); with one tile it was never loaded.
+  const int free_stage = num_tiles & 1;
+  if (num_tiles >= 2) sm90::MbarrierWait(&empty[free_stage], ((num_tiles - 2) >> 1) & 1);
   // The previous kernel may still read the buffers written below (a launch that overlaps it).
   WaitForPredecessorGrid();
   const int valid_rows = min(kRows64, rows - row0);
@@ -372,18 +371,30 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that
   // fill half of a 32-byte sector make the L2 read the sector first (bench/NOTES.md, step 33).
   // Staged, every store is 16 bytes of a row.
-  __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(smem + free_stage * kStageBytes);
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) inv[h] = l_row[h] > 0.f ? 1.f / l_row[h] : 0.f;
+  // A thread's O pairs are the fragments of 8x8 bf16 matrices (rows r_lo + 8h, dims 8j..8j+7):
+  // four matrices per stmatrix, matrix k = (h = k % 2, dims 8 (j + k / 2)), 16 per thread instead
+  // of 64 four-byte stores.
+  {
+    const int k = lane / 8;
+    const int row = 16 * wg_warp + 8 * (k % 2) + lane % 8;
+    __nv_bfloat16* row_smem = staging + row * kStagingStride + 256 * wg + 8 * (k / 2);
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+      sm90::StoreMatrices8x8x4(row_smem + 8 * j, PackBf16(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                               PackBf16(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                               PackBf16(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                               PackBf16(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+    }
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h;
     const float m = m_row[h];
     const float l = l_row[h];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<uint32_t*>(staging + r * kStagingStride + 256 * wg + 8 * j + 2 * quad) =
-          PackBf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-    }
     if (wg == 0 && quad == 0 && r < valid_rows) {
       const float lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
       if (write_final) {
@@ -393,13 +404,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
     }
   }
-  sm90::NamedBarrier<kStagingBarrier, 256>();
+  WarpgroupBarrier(wg);
   // The final output or this split's partial, both bf16 normalized by this block's sum.
-  constexpr int kPieces = kWgmmaLatent / 8;         // 16-byte pieces per row
+  constexpr int kPieces = kWgmmaLatent / 2 / 8;     // a warpgroup's 16-byte pieces per row
   const uint64_t keep = sm90::L2EvictLastPolicy();  // partials: read back by the merge
-  for (int u = threadIdx.x; u < valid_rows * kPieces; u += 256) {
+  for (int u = tid; u < valid_rows * kPieces; u += 128) {
     const int r = u / kPieces;
-    const int d = (u % kPieces) * 8;
+    const int d = kWgmmaLatent / 2 * wg + (u % kPieces) * 8;
     const uint4 v = *reinterpret_cast<const uint4*>(staging + r * kStagingStride + d);
     if (write_final) {
       *reinterpret_cast<uint4*>(p.out + (global_row0 + r) * kWgmmaLatent + d) = v;
@@ -408,8 +419,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
   }
   if (kMergeInGrid && !write_final) {
-    // The staging rows fit in stage 0 (see kStagingStride), which is free again after the
-    // merge's first barrier; stage 1 is free already.
+    // The staging rows fit in a stage (see kStagingStride); both stages are free once the two
+    // warpgroups have met at the merge's first barrier, after their stores.
     static_assert(kRows64 * kStagingStride * 2 <= kStageBytes &&
                   kMergeScratchFloats * 4 <= kStageBytes && kMergePieceBytes <= kStageBytes);
     MergeInGrid(args, {seq, row0, valid_rows, global_row0, split, splits},
