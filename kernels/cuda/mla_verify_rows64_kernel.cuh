@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   // A sequence of one split needs no merge: under the in-grid merge its block writes the output.
   const int splits = kMergeInGrid ? NumSplits(keys, args.partial.nsplit, args.min_split_keys) : 0;
   const bool write_final = args.direct_output || (kMergeInGrid && splits == 1);
-  // The rows go out through shared memory (the key stages are free now), in bf16 whether final
+  // The rows go out through shared memory (the free stage above), in bf16 whether final
   // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that
   // fill half of a 32-byte sector make the L2 read the sector first (bench/NOTES.md, step 33).
   // Staged, every store is 16 bytes of a row.

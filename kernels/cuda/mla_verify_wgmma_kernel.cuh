@@ -70,7 +70,9 @@ struct WgmmaArgs {
   uint64_t* timestamps;      // profiling aid, usually null: see MlaVerifyOptions::timestamps
 };
 
-// Profiling aid: %globaltimer (ns) at point `what` of this block, written by one thread.
+// Profiling aid: %globaltimer (ns) at point `what` of this block, written by one thread (thread
+// 0: in the wide kernel, whose warpgroups leave on their own, the last tile and the end are
+// warpgroup 0's).
 enum TimestampPoint {
   kBlockStart = 0,
   kFirstTile = 1,
