@@ -419,10 +419,9 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     }
   }
   if (kMergeInGrid && !write_final) {
-    // The staging rows fit in a stage (see kStagingStride); both stages are free once the two
-    // warpgroups have met at the merge's first barrier, after their stores.
-    static_assert(kRows64 * kStagingStride * 2 <= kStageBytes &&
-                  kMergeScratchFloats * 4 <= kStageBytes && kMergePieceBytes <= kStageBytes);
+    // Both stages are free once the two warpgroups have met at the merge's first barrier, after
+    // their stores.
+    static_assert(kMergeScratchFloats * 4 <= kStageBytes && kMergePieceBytes <= kStageBytes);
     MergeInGrid(args, {seq, row0, valid_rows, global_row0, split, splits},
                 seq * args.row_tiles + row0 / kRows64, reinterpret_cast<float*>(smem + kStageBytes),
                 smem);
