@@ -12,16 +12,19 @@ namespace treeverify::kernels::cuda::mla {
 
 // Merges the splits of each packed row by log-sum-exp. A block takes one row and 64 of its
 // dims; its kGroups groups of 16 threads take splits g, g + kGroups, ... (kPerGroup each).
-// Every thread issues all its loads, split LSEs and 4-dim partial outputs alike, before it uses
-// any, and before it uses the sequence's lengths (requested before the wait): one memory round
-// trip after the split kernel, not one for the lengths, then one for the LSEs, then one for the
-// partials. So it loads every split of the layout, and splits past the sequence's last one
-// (results of an earlier launch, or never written) are dropped once the lengths are there
-// (bench/NOTES.md, steps 20 and 42). The launcher sizes (kGroups, kPerGroup) to NSPLIT
-// (CombineVariantFor): few splits give small, light blocks, as many batches need; many splits give
-// 256 threads with up to 16 loads in flight each. Group sums are added in group order, so the
-// result depends on NSPLIT only. Partial is the element type the split kernel wrote its outputs in
-// (float or __nv_bfloat16).
+// Everything that does not depend on the split kernel's results is done before the wait for it:
+// the sequence's lengths (written before the split kernel started), its split count (integer
+// divisions) and the addresses of the first split's LSE and outputs, which the others are strides
+// past. The blocks wait on the device while the split kernel's last blocks run (programmatic
+// dependent launch), so that work is off the path; after the wait a thread issues its loads (the
+// split LSEs and 4-dim partial outputs of the sequence's splits only) before it uses any: one
+// memory round trip after the split kernel (bench/NOTES.md, steps 20, 42 and 67; the merge was
+// bound by issuing its ~1300 instructions per warp, most of them address arithmetic and
+// divisions). The launcher sizes (kGroups, kPerGroup) to NSPLIT (CombineVariantFor): few splits
+// give small, light blocks, as many batches need; many splits give 256 threads with up to 16
+// loads in flight each. Group sums are added in group order, so the result depends on NSPLIT
+// only. Partial is the element type the split kernel wrote its outputs in (float or
+// __nv_bfloat16).
 inline constexpr int kCombineDims = 64;  // dims per block
 inline constexpr int kCombineThreadsPerGroup = kCombineDims / 4;
 
@@ -58,35 +61,52 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   AllowDependentGridLaunch();
   const int seq = blockIdx.z;
   const int row = blockIdx.x;
-  // Lengths and offsets were written before the split kernel started: read them while it runs.
+  // Before the wait: lengths and offsets were written before the split kernel started.
   const SequenceSpan span = LoadSequence(p, seq);
-  WaitForPredecessorGrid();  // the split kernel's partial results
+  const bool row_exists = row < span.rows * p.num_heads;
+  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int group = tid / kCombineThreadsPerGroup;
   const int d0 = blockIdx.y * kCombineDims + (tid % kCombineThreadsPerGroup) * 4;
   const bool has_dims = d0 < p.latent_dim;
+  // Split group + u * kGroups: its LSE and outputs are u strides past split group's.
+  const float* lse_at = partial.lse + partial.Index(seq, group, row);
+  const Partial* out_at = partial.Out<Partial>(seq, group, row) + d0;
+  const int64_t lse_stride = static_cast<int64_t>(kGroups) * partial.max_rows;
+  const int64_t out_stride = lse_stride * partial.latent_dim;
+  // Pinned before the wait by a shared-memory store of them, a slot per thread (ptxas keeps
+  // memory accesses on their side of the wait, but schedules arithmetic past it to cover the
+  // lengths' load latency).
+  __shared__ int pin[kThreads];
+  const uintptr_t addresses =
+      reinterpret_cast<uintptr_t>(lse_at) ^ reinterpret_cast<uintptr_t>(out_at) ^ out_stride;
+  *reinterpret_cast<volatile int*>(&pin[tid]) =
+      splits ^ static_cast<int>(addresses) ^ static_cast<int>(row_exists);
+  WaitForPredecessorGrid();  // the split kernel's partial results
 
   float lse[kPerGroup];
   PartialDims4<Partial> v[kPerGroup];
 #pragma unroll
   for (int u = 0; u < kPerGroup; ++u) {
-    const int s = group + u * kGroups;
-    const bool in_layout = s < partial.nsplit;
-    lse[u] = in_layout ? partial.lse[partial.Index(seq, s, row)] : -INFINITY;
-    if (in_layout && has_dims) {
-      v[u].Load(partial.Out<Partial>(seq, s, row) + d0);
+    const bool used = group + u * kGroups < splits;
+    if (used && has_dims) {
+      v[u].Load(out_at);
     } else {
       v[u].Zero();
     }
+    lse[u] = used ? *lse_at : -INFINITY;
+    lse_at += lse_stride;
+    out_at += out_stride;
   }
-  if (row >= span.rows * p.num_heads) return;  // the whole block: one row
-  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
-#pragma unroll
-  for (int u = 0; u < kPerGroup; ++u) {
-    if (group + u * kGroups >= splits) lse[u] = -INFINITY;
-  }
+  // The loads (in the workspace whether or not the row exists) stay ahead of the LSEs' uses, so
+  // that they overlap the LSEs' round trip: ptxas otherwise sinks the outputs' loads past the max
+  // reduction in most variants (a second round trip), past the branch below too; not past a warp
+  // barrier. The exit comes after the wait even without a row: this grid's end must still imply
+  // the split kernel's, which a programmatic dependent launch of the next kernel relies on.
+  __syncwarp();
+  if (!row_exists) return;  // the whole block: one row
   float m = -INFINITY;
 #pragma unroll
   for (int u = 0; u < kPerGroup; ++u) m = fmaxf(m, lse[u]);
