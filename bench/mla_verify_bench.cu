@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "grid_dependency.cuh"
 #include "nlohmann/json.hpp"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
@@ -114,8 +115,11 @@ __global__ void CopyKernel(const uint4* __restrict__ src, uint4* __restrict__ ds
 
 // The streaming probe: reads `count` 16-byte units (eight loads in flight per thread) and keeps
 // them alive through a store that never happens in practice. No attention op can read its KV
-// faster.
+// faster. As a programmatic dependent launch it behaves like an overlapped attention launch: it
+// lets the next kernel start at once, reads while its predecessor finishes and waits for that
+// predecessor before its (result) store; launched plainly, the wait returns at once.
 __global__ void ReadKernel(const uint4* __restrict__ src, int64_t count, uint32_t* sink) {
+  tvc::AllowDependentGridLaunch();
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   uint32_t acc = 0;
@@ -127,10 +131,31 @@ __global__ void ReadKernel(const uint4* __restrict__ src, int64_t count, uint32_
     for (int k = 0; k < 8; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
   }
   for (; i < count; i += stride) acc ^= src[i].x ^ src[i].y ^ src[i].z ^ src[i].w;
+  tvc::WaitForPredecessorGrid();
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-__global__ void EmptyKernel() {}
+// In a merge kernel's place: as a programmatic dependent launch it waits for its predecessor.
+__global__ void EmptyKernel() {
+  tvc::AllowDependentGridLaunch();
+  tvc::WaitForPredecessorGrid();
+}
+
+// Launches `kernel` with `args` on `stream`, as a programmatic dependent launch if `overlap`.
+template <typename... Params, typename... Args>
+void LaunchProbeKernel(void (*kernel)(Params...), int blocks, int threads, cudaStream_t stream,
+                       bool overlap, Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = overlap ? 1 : 0;
+  CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, args...));
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -227,13 +252,16 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
 // rows, graphs of back-to-back launches (cycling through copies of L * 576 * 2 bytes, rotated over
 // 256 MB, at least kMinLaunchesPerGraph, like the workloads) of the streaming probe alone, of the
 // probe followed by an empty kernel (the shape of a split kernel plus its merge), and of an empty
-// kernel alone.
+// kernel alone; and the first two again with every kernel a programmatic dependent launch (the
+// shape of launches with overlap_predecessor, whose merge kernel is such a launch too).
 struct LaunchProbe {
   int64_t context;
   double floor_us;  // the KV bytes at the copy bandwidth
   double read_us;
   double read_then_empty_us;
   double empty_us;
+  double read_overlapped_us;
+  double read_then_empty_overlapped_us;
 };
 
 std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const Ceilings& ceilings,
@@ -248,17 +276,18 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
     __nv_bfloat16* data;
     CHECK_CUDA(cudaMalloc(&data, bytes * copies));
     Fill(data, bytes * copies / 2, 7);
-    auto time_per_launch = [&](bool read, bool empty_after) {
+    auto time_per_launch = [&](bool read, bool empty_after, bool overlap = false) {
       const int launches = LaunchesPerGraph(copies);
       cudaGraphExec_t exec = Capture(stream, [&] {
         for (int i = 0; i < launches; ++i) {
           const int c = i % copies;
           if (read) {
-            ReadKernel<<<sms * 4, 256, 0, stream>>>(
+            LaunchProbeKernel(
+                ReadKernel, sms * 4, 256, stream, overlap && i > 0,
                 reinterpret_cast<const uint4*>(reinterpret_cast<char*>(data) + c * bytes),
                 bytes / 16, sink);
           }
-          if (empty_after) EmptyKernel<<<1, 32, 0, stream>>>();
+          if (empty_after) LaunchProbeKernel(EmptyKernel, 1, 32, stream, overlap);
         }
       });
       const double us = TimeGraph(exec, stream, 15) * 1e3 / launches;
@@ -267,7 +296,8 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
     };
     probes.push_back({context, bytes / ceilings.copy_bytes_per_s * 1e6,
                       time_per_launch(true, false), time_per_launch(true, true),
-                      time_per_launch(false, true)});
+                      time_per_launch(false, true), time_per_launch(true, false, true),
+                      time_per_launch(true, true, true)});
     CHECK_CUDA(cudaFree(data));
   }
   CHECK_CUDA(cudaFree(sink));
@@ -616,10 +646,13 @@ int main(int argc, char** argv) {
     const double floor_us = probe.floor_us;
     std::printf(
         "probe L=%6lld: floor %5.1f us, read %5.1f us (%4.1f%%), read + empty kernel %5.1f us "
-        "(%4.1f%%), empty kernel %4.1f us\n",
+        "(%4.1f%%), empty kernel %4.1f us; overlapped: read %5.1f us (%4.1f%%), read + empty "
+        "kernel %5.1f us (%4.1f%%)\n",
         static_cast<long long>(probe.context), floor_us, probe.read_us,
         100 * floor_us / probe.read_us, probe.read_then_empty_us,
-        100 * floor_us / probe.read_then_empty_us, probe.empty_us);
+        100 * floor_us / probe.read_then_empty_us, probe.empty_us, probe.read_overlapped_us,
+        100 * floor_us / probe.read_overlapped_us, probe.read_then_empty_overlapped_us,
+        100 * floor_us / probe.read_then_empty_overlapped_us);
   }
 
   std::vector<Shape> shapes;
@@ -804,22 +837,32 @@ int main(int argc, char** argv) {
   }
   md +=
       "\nWhat a launch costs in this harness (batch 1, the same graphs and KV rotation): the "
-      "streaming probe reads the KV bytes with 16-byte loads and does nothing else.\n\n"
+      "streaming probe reads the KV bytes with 16-byte loads and does nothing else. "
+      "'Overlapped': every kernel a programmatic dependent launch, as with overlap_predecessor "
+      "(the probe reads while its predecessor finishes and waits for it before its store; the "
+      "empty kernel waits for the probe).\n\n"
       "| L | floor us | read us | % of floor | read + empty kernel us | % of floor | empty kernel "
-      "us |\n|---|---|---|---|---|---|---|\n";
+      "us | overlapped read us | % of floor | overlapped read + empty kernel us | % of floor "
+      "|\n|---|---|---|---|---|---|---|---|---|---|---|\n";
   json["launch_probes"] = nlohmann::json::array();
   for (const LaunchProbe& probe : probes) {
     const double floor_us = probe.floor_us;
-    json["launch_probes"].push_back({{"context", probe.context},
-                                     {"floor_us", floor_us},
-                                     {"read_us", probe.read_us},
-                                     {"read_then_empty_us", probe.read_then_empty_us},
-                                     {"empty_us", probe.empty_us}});
+    json["launch_probes"].push_back(
+        {{"context", probe.context},
+         {"floor_us", floor_us},
+         {"read_us", probe.read_us},
+         {"read_then_empty_us", probe.read_then_empty_us},
+         {"empty_us", probe.empty_us},
+         {"read_overlapped_us", probe.read_overlapped_us},
+         {"read_then_empty_overlapped_us", probe.read_then_empty_overlapped_us}});
     md += "| " + std::to_string(probe.context) + " | " + Fmt("%.1f", floor_us) + " | " +
           Fmt("%.1f", probe.read_us) + " | " + Fmt("%.1f", 100 * floor_us / probe.read_us) + " | " +
           Fmt("%.1f", probe.read_then_empty_us) + " | " +
           Fmt("%.1f", 100 * floor_us / probe.read_then_empty_us) + " | " +
-          Fmt("%.1f", probe.empty_us) + " |\n";
+          Fmt("%.1f", probe.empty_us) + " | " + Fmt("%.1f", probe.read_overlapped_us) + " | " +
+          Fmt("%.1f", 100 * floor_us / probe.read_overlapped_us) + " | " +
+          Fmt("%.1f", probe.read_then_empty_overlapped_us) + " | " +
+          Fmt("%.1f", 100 * floor_us / probe.read_then_empty_overlapped_us) + " |\n";
   }
   std::ofstream(out_dir + "/mla_verify.json") << json.dump(1) << "\n";
   std::ofstream(out_dir + "/mla_verify.md") << md;
