@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -521,28 +522,29 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
   return us;
 }
 
-// One eager launch of `plan` (after warm-up launches) with per-block timestamps, written as
-// timeline-H-Q-L-B.csv: block, sm, then start / first tile / last tile done / end in us from the
-// earliest block start.
+// Eager launches of `plan` (after warm-up launches) with per-block timestamps, written as
+// timeline-H-Q-L-B[-overlapped].csv: launch, block, sm, then start / first tile / last tile done /
+// end (and the in-grid merge's points) in us from the first stamped launch's earliest block start.
+// Plain: one stamped launch. Overlapped: two back to back with overlap_predecessor, so the second
+// shows where a launch starts and streams while its predecessor finishes.
 void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, cudaStream_t stream,
-                   const std::string& out_dir) {
+                   const std::string& out_dir, bool overlapped) {
   constexpr int kPerBlock = tvc::kMlaVerifyTimestampsPerBlock;
+  const int launches = overlapped ? 2 : 1;
   const int64_t entries = int64_t{plan.blocks} * kPerBlock;
+  plan.overlap_predecessor = overlapped;
   uint64_t* stamps;
-  CHECK_CUDA(cudaMalloc(&stamps, entries * 8));
-  for (int i = 0; i < 3; ++i) {
+  CHECK_CUDA(cudaMalloc(&stamps, entries * launches * 8));
+  CHECK_CUDA(cudaMemsetAsync(stamps, 0, entries * launches * 8, stream));
+  for (int i = 0; i < 3 + launches; ++i) {
+    plan.timestamps = i < 3 ? nullptr : stamps + (i - 3) * entries;
     CheckStatus(
         tvc::MlaVerifyAttention(w.Params(i % w.copies()), w.MlaShape(), plan, workspace, stream),
-        "warm-up");
+        i < 3 ? "warm-up" : "timed launch");
   }
-  CHECK_CUDA(cudaMemsetAsync(stamps, 0, entries * 8, stream));
-  plan.timestamps = stamps;
-  CheckStatus(
-      tvc::MlaVerifyAttention(w.Params(3 % w.copies()), w.MlaShape(), plan, workspace, stream),
-      "timed launch");
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<uint64_t> host(entries);
-  CHECK_CUDA(cudaMemcpy(host.data(), stamps, entries * 8, cudaMemcpyDeviceToHost));
+  std::vector<uint64_t> host(entries * launches);
+  CHECK_CUDA(cudaMemcpy(host.data(), stamps, host.size() * 8, cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaFree(stamps));
   uint64_t t0 = UINT64_MAX;
   for (int64_t b = 0; b < plan.blocks; ++b) {
@@ -551,15 +553,17 @@ void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, 
   const Shape& s = w.shape();
   const std::string path = out_dir + "/timeline-" + std::to_string(s.heads) + "-" +
                            std::to_string(s.rows) + "-" + std::to_string(s.context) + "-" +
-                           std::to_string(s.batch) + ".csv";
+                           std::to_string(s.batch) + (overlapped ? "-overlapped" : "") + ".csv";
   std::ofstream csv(path);
-  csv << "block,sm,start_us,first_tile_us,last_tile_done_us,end_us,partial_stored_us,"
+  csv << "launch,block,sm,start_us,first_tile_us,last_tile_done_us,end_us,partial_stored_us,"
          "merge_released_us\n";
-  auto rel = [&](uint64_t t) { return t == 0 ? -1.0 : (t - t0) * 1e-3; };
-  for (int64_t b = 0; b < plan.blocks; ++b) {
-    const uint64_t* e = &host[b * kPerBlock];
-    csv << b << "," << e[4] << "," << rel(e[0]) << "," << rel(e[1]) << "," << rel(e[2]) << ","
-        << rel(e[3]) << "," << rel(e[5]) << "," << rel(e[6]) << "\n";
+  auto rel = [&](uint64_t t) { return t == 0 ? -1.0 : (static_cast<double>(t) - t0) * 1e-3; };
+  for (int launch = 0; launch < launches; ++launch) {
+    for (int64_t b = 0; b < plan.blocks; ++b) {
+      const uint64_t* e = &host[(launch * plan.blocks + b) * kPerBlock];
+      csv << launch << "," << b << "," << e[4] << "," << rel(e[0]) << "," << rel(e[1]) << ","
+          << rel(e[2]) << "," << rel(e[3]) << "," << rel(e[5]) << "," << rel(e[6]) << "\n";
+    }
   }
 }
 
@@ -594,7 +598,7 @@ int main(int argc, char** argv) {
   std::string out_dir = ".";
   bool quick = false;
   std::vector<Shape> only;  // --only: just these shapes (profiling)
-  bool timestamps = false;  // --timestamps: per-block timeline of one eager launch per shape
+  bool timestamps = false;  // --timestamps: per-block timelines of eager launches per shape
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
       out_dir = argv[++i];
@@ -616,6 +620,13 @@ int main(int argc, char** argv) {
                    argv[0]);
       return 2;
     }
+  }
+  std::error_code created;
+  std::filesystem::create_directories(out_dir, created);
+  if (created) {
+    std::fprintf(stderr, "cannot create --out %s: %s\n", out_dir.c_str(),
+                 created.message().c_str());
+    return 2;
   }
   absl::StatusOr<tvc::DeviceInfo> device = tvc::QueryDevice(0);
   if (!device.ok()) {
@@ -724,7 +735,8 @@ int main(int argc, char** argv) {
       row.merge_kernel_us = w.TimePlan(*separate, workspace, stream, replays);
     }
     if (timestamps && row.plan.kernel != tvc::MlaVerifyKernel::kSimt) {
-      WriteTimeline(w, *plan, workspace, stream, out_dir);
+      WriteTimeline(w, *plan, workspace, stream, out_dir, /*overlapped=*/false);
+      WriteTimeline(w, *plan, workspace, stream, out_dir, /*overlapped=*/true);
     }
     if (sweep_shape(shape)) {
       for (int nsplit : {1, 2, 3, 4, 5, 6, 8, 11, 16, 22, 33, 44, 66, 88, 132, 176, 256}) {
