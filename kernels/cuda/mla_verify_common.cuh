@@ -23,12 +23,14 @@ __device__ inline SequenceSpan LoadSequence(const MlaVerifyParamsBf16& p, int se
   return {p.row_offsets[seq + 1] - begin, p.committed_lengths[seq], begin};
 }
 
-// Splits of a sequence with `keys` keys: at most nsplit, each at least min_split_keys long (one
-// split when the sequence is shorter), each a run of whole key tiles. Every split but the last has
-// the same number of tiles, ceil(tiles / wanted splits), and there are only as many splits as that
-// size needs: more splits at the same longest split would add partial results, not speed (seen:
-// 128 splits of 2-3 tiles ran 21.2 us where 86 of 3 ran 17.9, H=8 Q=1 L=16k). The boundaries
-// depend on the sequence's length and NSPLIT only, never on the batch.
+// Splits of a sequence with `keys` keys: at most nsplit, each a run of whole key tiles. Every
+// split but the last has the same number of tiles, the fewest that nsplit splits allow but never
+// fewer than min_split_keys needs; the last holds what remains (one split when the sequence is
+// shorter). So there are only as many splits as that size needs: more splits at the same longest
+// split would add partial results, not speed (seen: 128 splits of 2-3 tiles ran 21.2 us where 86
+// of 3 ran 17.9, H=8 Q=1 L=16k); and a tree's few keys past a prefix of whole tiles (4096 + 9)
+// add a short last split instead of doubling every split's tiles (bench/NOTES.md, step 68). The
+// boundaries depend on the sequence's length and NSPLIT only, never on the batch.
 struct SplitTiles {
   int32_t begin;
   int32_t end;  // exclusive; begin == end: the split has no keys
@@ -40,9 +42,9 @@ __host__ __device__ inline int32_t CeilDiv(int32_t a, int32_t b) { return (a + b
 
 __host__ __device__ inline int32_t TilesPerSplit(int32_t keys, int32_t nsplit,
                                                  int32_t min_split_keys) {
-  int32_t wanted = keys / (min_split_keys > 0 ? min_split_keys : 1);
-  wanted = wanted < 1 ? 1 : (wanted > nsplit ? nsplit : wanted);
-  return CeilDiv(CeilDiv(keys, kMlaKeyTile), wanted);
+  const int32_t fewest = CeilDiv(CeilDiv(keys, kMlaKeyTile), nsplit > 0 ? nsplit : 1);
+  const int32_t shortest = CeilDiv(min_split_keys > 0 ? min_split_keys : 1, kMlaKeyTile);
+  return fewest > shortest ? fewest : shortest;
 }
 
 // The splits that have keys; the others (split >= NumSplits) are empty.

@@ -604,6 +604,12 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   EXPECT_TRUE(plan->stagger_first_tiles) << "72 packed rows are memory-bound";
   // The split blocks merge themselves only up to 40 splits (66 on an H200: the merge kernel).
   EXPECT_EQ(plan->merge_in_grid, HasWgmma() && plan->nsplit <= 40);
+  // Two wide row tiles share every key tile: splits of at least two tiles, unless asked otherwise.
+  EXPECT_EQ(plan->min_split_keys, HasWgmma() ? 128 : 64);
+  EXPECT_EQ(PlanMlaVerify(shape, device_, {.min_split_keys = 64})->min_split_keys, 64);
+  shape.max_rows_per_seq = 1;
+  shape.row_capacity = 1;
+  EXPECT_EQ(PlanMlaVerify(shape, device_, {})->min_split_keys, 64) << "one row tile";
   shape.max_rows_per_seq = 64;
   shape.row_capacity = 64;
   plan = PlanMlaVerify(shape, device_, {});
@@ -630,7 +636,8 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
 
 // The split rule (host and device code): the splits of a sequence cover its key tiles exactly
 // once, in order, never more than NSPLIT of them, every non-empty one but the last of the same
-// size, and none shorter than min_split_keys unless the sequence is. Runs without a GPU.
+// size and at least min_split_keys long; a tree's keys past whole tiles add a short last split
+// (4096 + 9 keys: 65 splits of one tile, not 33 of two). Runs without a GPU.
 TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
   for (int32_t keys : {1, 63, 64, 65, 127, 1000, 4097, 16385, 46009, 131081}) {
     for (int32_t nsplit : {1, 2, 7, 44, 132, 256}) {
@@ -641,9 +648,6 @@ TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
         const int32_t splits = mla::NumSplits(keys, nsplit, min_split_keys);
         ASSERT_GE(splits, 1);
         ASSERT_LE(splits, nsplit);
-        if (keys >= min_split_keys) {
-          EXPECT_LE(splits, std::max(1, keys / min_split_keys));
-        }
         int32_t next = 0;
         int32_t size = -1;
         for (int32_t s = 0; s < nsplit; ++s) {
@@ -657,6 +661,7 @@ TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
           if (s + 1 < splits) {
             if (size < 0) size = range.end - range.begin;
             EXPECT_EQ(range.end - range.begin, size);
+            EXPECT_GE(size * kMlaKeyTile, min_split_keys) << "split " << s << " is too short";
           }
           next = range.end;
         }
@@ -664,6 +669,11 @@ TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
       }
     }
   }
+  // The tree's tail: one more split, not twice the tiles per split.
+  EXPECT_EQ(mla::NumSplits(4096 + 9, 66, 64), 65);
+  EXPECT_EQ(mla::SplitRange(4096 + 9, 66, 64, 64).begin, 64);
+  EXPECT_EQ(mla::NumSplits(4096 + 1, 132, 64), 65);
+  EXPECT_EQ(mla::NumSplits(16384 + 1, 132, 64), 129);  // 257 tiles: 2 per split either way
 }
 
 // The split count packs blocks into waves (host code, no GPU): few base blocks fill exactly one

@@ -9,13 +9,13 @@
 //   PrepareMlaVerifyWorkspace(workspace, workspace_bytes, stream);  // once, after allocating
 //   MlaVerifyAttention(params, shape, *plan, workspace, stream);
 //
-// The plan depends on the shape only, never on the context lengths (they live on the device):
-// each block derives its key range from committed_lengths, so one captured launch serves every
-// step of a growing context. Key ranges are whole 64-key tiles; a sequence with T keys (prefix
-// plus its own tree nodes) has at most min(NSPLIT, T / min_split_keys) splits, at least one,
-// whose partial results are merged by log-sum-exp (nothing to merge when NSPLIT is 1): by the
-// split blocks themselves when the launch is one wave, else by a second kernel.
-// docs/cuda-attention.md has the details.
+// The plan depends on the shape only, never on the context lengths (they live on the device): each
+// block derives its key range from committed_lengths, so one captured launch serves every step of a
+// growing context. Key ranges are whole 64-key tiles; a sequence with T keys (prefix plus its own
+// tree nodes) has at most NSPLIT splits, every one but the last at least min_split_keys long (so a
+// short sequence has one), whose partial results are merged by log-sum-exp (nothing to merge when
+// NSPLIT is 1): by the split blocks themselves when the launch is one wave, else by a second
+// kernel. docs/cuda-attention.md has the details.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -60,8 +60,10 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
 inline constexpr int kMlaVerifyTimestampsPerBlock = 7;
 
 struct MlaVerifyOptions {
-  int32_t min_split_keys = 64;  // a split never covers fewer keys (unless T is smaller)
-  int32_t forced_nsplit = 0;    // > 0: use this NSPLIT (benchmarks sweep it)
+  // No split but a sequence's last covers fewer keys; 0: the planner's (64, one key tile, or 128
+  // where a wgmma launch has several row tiles).
+  int32_t min_split_keys = 0;
+  int32_t forced_nsplit = 0;  // > 0: use this NSPLIT (benchmarks sweep it)
   // kAuto: narrow row tiles up to 32 packed rows per sequence, wide ones above; kSimt where wgmma
   // cannot run. Anything else forces that kernel (benchmarks, tests); kSimt always runs.
   MlaVerifyKernel kernel = MlaVerifyKernel::kAuto;
