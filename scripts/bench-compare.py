@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Tables of an A/B run of mla_verify_bench (scripts/gpu-check.sh ab).
 
-    scripts/bench-compare.py OUTDIR [--base NAME]
+    scripts/bench-compare.py OUTDIR [--base NAME] [--field us|overlap_us|...]
 
 OUTDIR holds NAME-PASS.json for every bundle and pass. Prints, as markdown, the ceilings each
 run measured and per shape the time of every pass of every build, and for each build but the
 base the difference and ratio of its best pass to the base's best pass (bench/NOTES.md compares
-builds this way: both in one call, alternated, the best of two passes each).
+builds this way: both in one call, alternated, the best of two passes each). --field picks the
+time compared (default `us`, the plain launches; `overlap_us` the overlapped ones).
 """
 
 import argparse
@@ -34,6 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--base", help="the build the others are compared with (default: first)")
+    parser.add_argument("--field", default="us", help="the time compared (default: us)")
     args = parser.parse_args()
     runs = load_runs(args.out_dir)
     if not runs:
@@ -58,7 +60,7 @@ def main():
     for name in names:
         for p in passes:
             rows = runs[name].get(p, {}).get("rows", [])
-            times[(name, p)] = {shape_key(r): r["us"] for r in rows}
+            times[(name, p)] = {shape_key(r): r[args.field] for r in rows if r[args.field] > 0}
             for r in rows:
                 if shape_key(r) not in order:
                     order.append(shape_key(r))
