@@ -40,7 +40,7 @@ inline constexpr int kWgmmaChunks = (kWgmmaLatent + kWgmmaRope) / 64;  // 64-dim
 inline constexpr int kWgmmaThreads = 384;  // consumer WGs 0 and 1, producer WG 2
 inline constexpr int kStageBytes = kWgmmaChunks * kMlaKeyTile * 128;  // 73728
 inline constexpr int kOutStride = kWgmmaLatent + 4;                   // staging row, in floats
-inline constexpr int kEpilogueBarrier = 3;  // named barrier of the epilogue (all threads)
+inline constexpr int kEpilogueBarrier = 3;  // named barrier of the epilogue (the consumers)
 inline constexpr int kScoresBarrier = 4;    // the narrow kernel's two consumer warpgroups
 
 template <int kRows>
@@ -210,9 +210,9 @@ __device__ inline BlockWork LocateBlockWork(const WgmmaArgs& args, int rows_per_
   return w;
 }
 
-// The producer warpgroup's whole life: hands its registers to the consumers, one thread streams
-// the tiles, then all of it waits out the epilogue's `epilogue_barriers` block-wide barriers.
-template <int kRows, int kRegisters, int kEpilogueBarriers>
+// The producer warpgroup's whole life: hands its registers to the consumers and one thread
+// streams the tiles; it leaves after the last request (the consumers' barriers count only them).
+template <int kRows, int kRegisters>
 __device__ inline void RunProducer(const WgmmaArgs& args, const BlockWork& work, uint8_t* smem,
                                    int q_offset, uint64_t* full, uint64_t* q_ready,
                                    const CUtensorMap* kv_map, const CUtensorMap* q_map) {
@@ -220,11 +220,6 @@ __device__ inline void RunProducer(const WgmmaArgs& args, const BlockWork& work,
   if (threadIdx.x == 8 * 32) {
     ProduceTiles<kRows>(args, work.span, work.seq, work.row0, work.tiles, smem, q_offset, full,
                         full + 2, q_ready, kv_map, q_map);
-  }
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < kEpilogueBarriers; ++i) {
-    sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
   }
 }
 
@@ -300,7 +295,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= 8) {
-    RunProducer<kRows, 40, 2>(args, work, smem, Layout::kQ, full, q_ready, &kv_map, &q_map);
+    RunProducer<kRows, 40>(args, work, smem, Layout::kQ, full, q_ready, &kv_map, &q_map);
     return;
   }
 
@@ -470,8 +465,43 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   // ---- epilogue: total sums (the same in both warpgroups), output ----
   // l_col held this thread's keys' part of each column's sum; from here on, the whole sum.
   CombineColumns<kRows>(l_col, reduce, wg, wg_warp, lane, [](float a, float b) { return a + b; });
-  // Both warpgroups are past their last tile: stage 0 is free for the staging rows.
-  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  const int valid_rows = min(kRows, rows - row0);
+  if (!args.direct_output) {
+    // The split's partial, fp32, straight from the accumulators: the 8 lanes of a quad hold 8
+    // consecutive dims of one row, so each store instruction fills whole 32-byte sectors (4 rows),
+    // with no staging and no barrier between the last tile and the stores (bench/NOTES.md,
+    // step 71). The previous kernel may still read these buffers (a launch that overlaps it).
+    WaitForPredecessorGrid();
+    const uint64_t keep = sm90::L2EvictLastPolicy();  // read back by the merge
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        if (col >= valid_rows) continue;
+        const float l = l_col[2 * j + e];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* out =
+            args.partial.Out<float>(seq, split, row0 + col) + 256 * wg + 16 * wg_warp + lane / 4;
+#pragma unroll
+        for (int mb = 0; mb < kValueBlocks; ++mb) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            sm90::StoreGlobalHinted(out + mb * 64 + 8 * h, o[mb][4 * j + 2 * h + e] * inv, keep);
+          }
+        }
+        if (wg == 0 && wg_warp == 0 && lane < 4) {
+          args.partial.lse[args.partial.Index(seq, split, row0 + col)] =
+              l > 0.f ? (m_col[2 * j + e] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        }
+      }
+    }
+    if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
+    return;
+  }
+  // The final output, bf16, through shared memory (16-byte stores). Both warpgroups are past their
+  // last tile: stage 0 is free for the staging rows.
+  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, 256>();
   float* staging = reinterpret_cast<float*>(smem);  // [row][kOutStride], in stage 0
   float* lse_out = reinterpret_cast<float*>(smem + Layout::kLse);
 #pragma unroll
@@ -495,37 +525,23 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       }
     }
   }
-  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, kWgmmaThreads>();
+  sm90::NamedBarrierFromAnywhere<kEpilogueBarrier, 256>();
   // The previous kernel may still read the buffers written below (a launch that overlaps it).
   WaitForPredecessorGrid();
-  const int valid_rows = min(kRows, rows - row0);
   const int ctid = threadIdx.x;  // 0..255
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
-  if (args.direct_output) {
-    // 8 dims (16 bytes) per store.
-    for (int u = ctid; u < valid_rows * (kWgmmaLatent / 8); u += 256) {
-      const int r = u / (kWgmmaLatent / 8);
-      const int d = (u % (kWgmmaLatent / 8)) * 8;
-      const float* src = staging + r * kOutStride + d;
-      __nv_bfloat162 packed[4];
+  // 8 dims (16 bytes) per store.
+  for (int u = ctid; u < valid_rows * (kWgmmaLatent / 8); u += 256) {
+    const int r = u / (kWgmmaLatent / 8);
+    const int d = (u % (kWgmmaLatent / 8)) * 8;
+    const float* src = staging + r * kOutStride + d;
+    __nv_bfloat162 packed[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) packed[k] = __floats2bfloat162_rn(src[2 * k], src[2 * k + 1]);
-      *reinterpret_cast<uint4*>(p.out + (global_row0 + r) * kWgmmaLatent + d) =
-          *reinterpret_cast<const uint4*>(packed);
-    }
-    if (ctid < valid_rows) p.lse[global_row0 + ctid] = lse_out[ctid];
-  } else {
-    const uint64_t keep = sm90::L2EvictLastPolicy();  // read back by the merge
-    for (int u = ctid; u < valid_rows * (kWgmmaLatent / 4); u += 256) {
-      const int r = u / (kWgmmaLatent / 4);
-      const int d = (u % (kWgmmaLatent / 4)) * 4;
-      sm90::StoreGlobalHinted(args.partial.Out<float>(seq, split, row0 + r) + d,
-                              *reinterpret_cast<const uint4*>(staging + r * kOutStride + d), keep);
-    }
-    if (ctid < valid_rows) {
-      args.partial.lse[args.partial.Index(seq, split, row0 + ctid)] = lse_out[ctid];
-    }
+    for (int k = 0; k < 4; ++k) packed[k] = __floats2bfloat162_rn(src[2 * k], src[2 * k + 1]);
+    *reinterpret_cast<uint4*>(p.out + (global_row0 + r) * kWgmmaLatent + d) =
+        *reinterpret_cast<const uint4*>(packed);
   }
+  if (ctid < valid_rows) p.lse[global_row0 + ctid] = lse_out[ctid];
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockEnd);
 #else
   __trap();  // built without sm_90a code: the planner never picks this kernel then

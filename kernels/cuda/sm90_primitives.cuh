@@ -107,10 +107,14 @@ __device__ inline void TmaLoad2dHinted(void* smem_dst, const CUtensorMap* map, i
       : "memory");
 }
 
-// A 16-byte global store with an L2 eviction policy.
+// A 16-byte (or 4-byte) global store with an L2 eviction policy.
 __device__ inline void StoreGlobalHinted(void* dst, uint4 v, uint64_t policy) {
   asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "r"(v.x),
                "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+               : "memory");
+}
+__device__ inline void StoreGlobalHinted(float* dst, float v, uint64_t policy) {
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(dst), "f"(v), "l"(policy)
                : "memory");
 }
 
