@@ -268,6 +268,10 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   if (device.multiprocessors <= 0) {
     return absl::InvalidArgumentError("MLA verify plan: device without multiprocessors");
   }
+  if (options.min_split_keys < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("MLA verify plan: min_split_keys ",
+                                                   options.min_split_keys, " (0: the planner's)"));
+  }
   MlaVerifyPlan plan;
   plan.overlap_predecessor = options.overlap_predecessor;
   plan.timestamps = options.timestamps;

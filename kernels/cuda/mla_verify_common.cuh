@@ -42,8 +42,12 @@ __host__ __device__ inline int32_t CeilDiv(int32_t a, int32_t b) { return (a + b
 
 __host__ __device__ inline int32_t TilesPerSplit(int32_t keys, int32_t nsplit,
                                                  int32_t min_split_keys) {
-  const int32_t fewest = CeilDiv(CeilDiv(keys, kMlaKeyTile), nsplit > 0 ? nsplit : 1);
-  const int32_t shortest = CeilDiv(min_split_keys > 0 ? min_split_keys : 1, kMlaKeyTile);
+  const int32_t tiles = CeilDiv(keys, kMlaKeyTile);
+  const int32_t fewest = CeilDiv(tiles, nsplit > 0 ? nsplit : 1);
+  // (m - 1) / 64 + 1 rather than CeilDiv: no overflow near INT32_MAX; and never more than the
+  // sequence's tiles (one split), so that split * tiles_per_split stays in range.
+  int32_t shortest = ((min_split_keys > 0 ? min_split_keys : 1) - 1) / kMlaKeyTile + 1;
+  shortest = shortest < tiles ? shortest : (tiles > 1 ? tiles : 1);
   return fewest > shortest ? fewest : shortest;
 }
 
@@ -56,10 +60,10 @@ __host__ __device__ inline SplitTiles SplitRange(int32_t keys, int32_t nsplit,
                                                  int32_t min_split_keys, int32_t split) {
   const int32_t tiles = CeilDiv(keys, kMlaKeyTile);
   const int32_t per_split = TilesPerSplit(keys, nsplit, min_split_keys);
-  const int32_t begin = split * per_split;
+  const int64_t begin = static_cast<int64_t>(split) * per_split;
   if (begin >= tiles) return {tiles, tiles};
-  const int32_t end = begin + per_split;
-  return {begin, end < tiles ? end : tiles};
+  const int64_t end = begin + per_split;
+  return {static_cast<int32_t>(begin), end < tiles ? static_cast<int32_t>(end) : tiles};
 }
 
 // Where split results go: lse [num_seqs][nsplit][max_rows] in fp32 and outputs normalized by the

@@ -71,8 +71,7 @@ struct WgmmaArgs {
 };
 
 // Profiling aid: %globaltimer (ns) at point `what` of this block, written by one thread (thread
-// 0: in the wide kernel, whose warpgroups leave on their own, the last tile and the end are
-// warpgroup 0's).
+// 0: the last tile and the end are warpgroup 0's, the warpgroups leaving on their own).
 enum TimestampPoint {
   kBlockStart = 0,
   kFirstTile = 1,

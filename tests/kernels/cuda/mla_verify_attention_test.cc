@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
@@ -607,6 +608,8 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   // Two wide row tiles share every key tile: splits of at least two tiles, unless asked otherwise.
   EXPECT_EQ(plan->min_split_keys, HasWgmma() ? 128 : 64);
   EXPECT_EQ(PlanMlaVerify(shape, device_, {.min_split_keys = 64})->min_split_keys, 64);
+  EXPECT_EQ(PlanMlaVerify(shape, device_, {.min_split_keys = -1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
   shape.max_rows_per_seq = 1;
   shape.row_capacity = 1;
   EXPECT_EQ(PlanMlaVerify(shape, device_, {})->min_split_keys, 64) << "one row tile";
@@ -641,7 +644,7 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
 TEST(MlaVerifySplitTest, SplitsCoverEveryTileOnce) {
   for (int32_t keys : {1, 63, 64, 65, 127, 1000, 4097, 16385, 46009, 131081}) {
     for (int32_t nsplit : {1, 2, 7, 44, 132, 256}) {
-      for (int32_t min_split_keys : {1, 64, 128, 1000}) {
+      for (int32_t min_split_keys : {1, 64, 128, 1000, 1 << 30, INT32_MAX}) {
         SCOPED_TRACE(testing::Message()
                      << keys << " keys, nsplit " << nsplit << ", min " << min_split_keys);
         const int32_t tiles = mla::CeilDiv(keys, kMlaKeyTile);
