@@ -3,17 +3,18 @@
 //   mla_verify_bench [--out DIR] [--quick] [--only H,Q,L,B]... [--timestamps]
 //
 // Measures, in one run: the copy bandwidth (a large device-to-device copy, bytes read + written)
-// and the bf16 tensor-core rate (an 8192^3 cuBLAS GEMM) as the ceilings; then for each shape
-// (heads H, tree rows Q, context L, batch B) the planned kernel's median time inside CUDA graphs,
-// with the KV cache rotated over copies that together exceed the L2, against
+// and the bf16 tensor-core rate (an 8192^3 cuBLAS GEMM) as the ceilings; then for each shape (heads
+// H, tree rows Q, context L, batch B) the planned kernel's median time inside CUDA graphs, with the
+// KV cache rotated over copies that together exceed the L2, against
 //   floor = max(B * L * 576 * 2 bytes / bandwidth, B * 2 * Q * H * L * 1088 FLOPs / rate).
-// "Overlapped": the same plan launched with overlap_predecessor (programmatic dependent launch),
-// so each launch of the graph streams its committed prefix while the previous one finishes, as it
-// would behind the previous kernel of a decode step. Beside it: the planner's NSPLIT against a
-// sweep (a subset of shapes), an arbitrary tree against a chain of the same size, and two reference
-// points: a seed-style kernel (the portable kernel, one block per (row, split), NSPLIT fixed at 16,
-// scalar loads) and a cuBLAS attention that materializes the scores. Writes mla_verify.json and
-// mla_verify.md under --out.
+// "Overlapped": the same plan launched with overlap_predecessor (programmatic dependent launch), so
+// each launch of the graph streams its committed prefix while the previous one finishes, as it
+// would behind the previous kernel of a decode step. For the TP8 batch-1 shapes also what the op
+// adds behind a stand-in for that kernel (a 16 MB streaming read). Beside it: the planner's NSPLIT
+// against a sweep (a subset of shapes), an arbitrary tree against a chain of the same size, and two
+// reference points: a seed-style kernel (the portable kernel, one block per (row, split), NSPLIT
+// fixed at 16, scalar loads) and a cuBLAS attention that materializes the scores. Writes
+// mla_verify.json and mla_verify.md under --out.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -305,6 +306,50 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
   return probes;
 }
 
+// A stand-in for the kernel before attention in a decode step (the query projection, a GEMM at
+// batch 1 that streams its weights): each launch reads kPredecessorBytes with the streaming probe,
+// from copies rotated over kRotationBytes so that they come from DRAM like a layer's weights. It
+// lets the next kernel start at once (the probe's trigger comes first), and its blocks hold the
+// multiprocessors while they read, as a GEMM's would.
+class Predecessor {
+ public:
+  static constexpr int64_t kBytes = 16ll << 20;  // about a TP8 rank's query-path weights
+
+  explicit Predecessor(int sms) : sms_(sms) {
+    CHECK_CUDA(cudaMalloc(&data_, kRotationBytes));
+    CHECK_CUDA(cudaMalloc(&sink_, 4));
+    Fill(reinterpret_cast<__nv_bfloat16*>(data_), kRotationBytes / 2, 11);
+  }
+  ~Predecessor() {
+    CHECK_CUDA(cudaFree(data_));
+    CHECK_CUDA(cudaFree(sink_));
+  }
+  Predecessor(const Predecessor&) = delete;
+  Predecessor& operator=(const Predecessor&) = delete;
+
+  // Median us per launch of graphs of `launches` predecessor launches alone.
+  double TimeAlone(int launches, cudaStream_t stream, int replays) const {
+    cudaGraphExec_t exec = Capture(stream, [&] {
+      for (int i = 0; i < launches; ++i) Launch(i, stream);
+    });
+    const double us = TimeGraph(exec, stream, replays) * 1e3 / launches;
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    return us;
+  }
+
+  // Launch i of a graph: copy i of the rotation.
+  void Launch(int i, cudaStream_t stream) const {
+    const int64_t copy = i % (kRotationBytes / kBytes);
+    LaunchProbeKernel(ReadKernel, sms_ * 4, 256, stream, /*overlap=*/false,
+                      reinterpret_cast<const uint4*>(data_ + copy * kBytes), kBytes / 16, sink_);
+  }
+
+ private:
+  int sms_;
+  char* data_ = nullptr;
+  uint32_t* sink_ = nullptr;
+};
+
 struct Shape {
   int heads;
   int rows;  // Q: tree rows per sequence
@@ -405,11 +450,14 @@ class Workload {
   }
 
   // Median microseconds of one launch of `plan`, from graphs that cycle through the copies.
-  double TimePlan(const tvc::MlaVerifyPlan& plan, void* workspace, cudaStream_t stream,
-                  int replays) const {
+  // Median us per launch in graphs of back-to-back launches; with `before`, each launch follows
+  // one of its launches (the time then includes the predecessor's).
+  double TimePlan(const tvc::MlaVerifyPlan& plan, void* workspace, cudaStream_t stream, int replays,
+                  const Predecessor* before = nullptr) const {
     const int launches = LaunchesPerGraph(copies_);
     cudaGraphExec_t exec = Capture(stream, [&] {
       for (int i = 0; i < launches; ++i) {
+        if (before != nullptr) before->Launch(i, stream);
         CheckStatus(
             tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace, stream),
             "MlaVerifyAttention");
@@ -582,6 +630,10 @@ struct Row {
   double other_kernel_us = -1;
   double merge_kernel_us = -1;  // plans that merge in the grid: the same with the merge kernel
   double overlap_us = -1;
+  // TP8 batch-1 shapes: behind a Predecessor, the op's time on top of the predecessor's alone,
+  // launched plainly and overlapped.
+  double behind_us = -1;
+  double behind_overlap_us = -1;
   std::string other_kernel_plan;
   nlohmann::json sweep = nlohmann::json::array();
 };
@@ -703,6 +755,7 @@ int main(int argc, char** argv) {
     workspace_bytes = bytes;
   };
 
+  const Predecessor predecessor(device->multiprocessors);
   std::vector<Row> rows;
   uint32_t seed = 100;
   for (const Shape& shape : shapes) {
@@ -720,6 +773,13 @@ int main(int argc, char** argv) {
       tvc::MlaVerifyPlan overlapped = *plan;
       overlapped.overlap_predecessor = true;
       row.overlap_us = w.TimePlan(overlapped, workspace, stream, replays);
+      if (shape.batch == 1 && shape.heads == 8 && (shape.rows == 1 || shape.rows == 9)) {
+        // Behind the stand-in for the decode step's previous kernel: what the op adds to it.
+        const double alone = predecessor.TimeAlone(LaunchesPerGraph(w.copies()), stream, replays);
+        row.behind_us = w.TimePlan(*plan, workspace, stream, replays, &predecessor) - alone;
+        row.behind_overlap_us =
+            w.TimePlan(overlapped, workspace, stream, replays, &predecessor) - alone;
+      }
     }
     row.bytes = double(shape.batch) * shape.context * kDims * 2;
     row.flops =
@@ -787,6 +847,12 @@ int main(int argc, char** argv) {
         row.floor_us, 100 * row.floor_us / row.us, row.overlap_us,
         100 * row.floor_us / row.overlap_us, row.other_kernel_us, row.merge_kernel_us,
         row.plan.ToString().c_str());
+    if (row.behind_us > 0) {
+      std::printf(
+          "    behind a 16 MB predecessor: adds %.1f us (%.1f%%), overlapped %.1f us (%.1f%%)\n",
+          row.behind_us, 100 * row.floor_us / row.behind_us, row.behind_overlap_us,
+          100 * row.floor_us / row.behind_overlap_us);
+    }
     std::fflush(stdout);
     rows.push_back(std::move(row));
   }
@@ -827,6 +893,8 @@ int main(int argc, char** argv) {
                         {"merge_kernel_us", r.merge_kernel_us},
                         {"overlap_us", r.overlap_us},
                         {"overlap_roofline_fraction", r.floor_us / r.overlap_us},
+                        {"behind_predecessor_us", r.behind_us},
+                        {"behind_predecessor_overlap_us", r.behind_overlap_us},
                         {"other_kernel_plan", r.other_kernel_plan}};
     json["rows"].push_back(j);
     md += "| " + std::to_string(r.shape.heads) + " | " + std::to_string(r.shape.rows) + " | " +
@@ -846,6 +914,21 @@ int main(int argc, char** argv) {
           (r.chain_us > 0 ? Fmt("%.1f", r.chain_us) : "") + " | " +
           (r.seed_us > 0 ? Fmt("%.1f", r.seed_us) : "") + " | " +
           (r.cublas_us > 0 ? Fmt("%.1f", r.cublas_us) : "") + " |\n";
+  }
+  md +=
+      "\nBehind a predecessor (TP8 shapes, batch 1): each launch follows a stand-in for the "
+      "decode step's previous kernel, a streaming read of 16 MB rotated past the L2 (about a TP8 "
+      "rank's query-path weights), which lets the op start at once; 'adds' is the graph's time "
+      "per launch minus the predecessor's alone, for the op launched plainly and overlapped.\n\n"
+      "| H | Q | L | floor us | adds us | % of floor | overlapped adds us | % of floor |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  for (const Row& r : rows) {
+    if (r.behind_us <= 0) continue;
+    md += "| " + std::to_string(r.shape.heads) + " | " + std::to_string(r.shape.rows) + " | " +
+          std::to_string(r.shape.context) + " | " + Fmt("%.1f", r.floor_us) + " | " +
+          Fmt("%.1f", r.behind_us) + " | " + Fmt("%.1f", 100 * r.floor_us / r.behind_us) + " | " +
+          Fmt("%.1f", r.behind_overlap_us) + " | " +
+          Fmt("%.1f", 100 * r.floor_us / r.behind_overlap_us) + " |\n";
   }
   md +=
       "\nWhat a launch costs in this harness (batch 1, the same graphs and KV rotation): the "
