@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "mla_verify_combine_kernel.cuh"
 #include "mla_verify_common.cuh"
+#include "mla_verify_mma_kernel.cuh"
 #include "mla_verify_rows64_kernel.cuh"
 #include "mla_verify_simt_kernel.cuh"
 #include "mla_verify_wgmma_kernel.cuh"
@@ -102,6 +103,22 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
     return false;
   }
   return attributes.binaryVersion == 90;
+}
+
+// The mma.sync kernel runs on sm_80 and later where the binary has code for the GPU, at the
+// production dims (any page size: it looks up every key row).
+bool MmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
+  if (device.compute_capability_major < 8 || s.latent_dim != mla::kMmaLatent ||
+      s.latent_dim + s.rope_dim != mla::kMmaDims) {
+    return false;
+  }
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&mla::MlaVerifyMmaKernel)) !=
+      cudaSuccess) {
+    cudaGetLastError();  // no image for this GPU in this binary
+    return false;
+  }
+  return attributes.binaryVersion >= 80;
 }
 
 // The merge kernel's block for `nsplit` splits. Up to 8 splits: a group of 16 threads per split
@@ -220,6 +237,8 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
       return "wgmma-narrow";
     case MlaVerifyKernel::kWgmmaWide:
       return "wgmma-wide";
+    case MlaVerifyKernel::kMma:
+      return "mma";
     case MlaVerifyKernel::kSimt:
       return "simt";
   }
@@ -280,17 +299,25 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   const void* kernel = nullptr;
   int threads = 0;
   MlaVerifyKernel choice = options.kernel;
-  if (choice != MlaVerifyKernel::kSimt && !WgmmaApplies(shape, device)) {
-    if (choice != MlaVerifyKernel::kAuto) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "MLA verify: the ", MlaVerifyKernelName(choice), " kernel needs sm_90a code on an sm_90 ",
-          "GPU, 512 + 64 dims and pages of a multiple of 8 keys"));
-    }
-    choice = MlaVerifyKernel::kSimt;
+  const bool wgmma = WgmmaApplies(shape, device);
+  if (choice == MlaVerifyKernel::kMma && !MmaApplies(shape, device)) {
+    return absl::FailedPreconditionError(
+        "MLA verify: the mma kernel needs an sm_80 or later GPU with code for it and 512 + 64 "
+        "dims");
+  }
+  if ((choice == MlaVerifyKernel::kWgmmaNarrow || choice == MlaVerifyKernel::kWgmmaWide) &&
+      !wgmma) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "MLA verify: the ", MlaVerifyKernelName(choice), " kernel needs sm_90a code on an sm_90 ",
+        "GPU, 512 + 64 dims and pages of a multiple of 8 keys"));
   }
   if (choice == MlaVerifyKernel::kAuto) {
-    choice = packed_rows <= kMaxAutoNarrowRows ? MlaVerifyKernel::kWgmmaNarrow
-                                               : MlaVerifyKernel::kWgmmaWide;
+    if (wgmma) {
+      choice = packed_rows <= kMaxAutoNarrowRows ? MlaVerifyKernel::kWgmmaNarrow
+                                                 : MlaVerifyKernel::kWgmmaWide;
+    } else {
+      choice = MmaApplies(shape, device) ? MlaVerifyKernel::kMma : MlaVerifyKernel::kSimt;
+    }
   }
   plan.kernel = choice;
   if (choice == MlaVerifyKernel::kWgmmaNarrow || choice == MlaVerifyKernel::kWgmmaWide) {
@@ -300,6 +327,11 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
     plan.smem_bytes = variant.smem_bytes;
     kernel = reinterpret_cast<const void*>(variant.kernel);
     threads = mla::kWgmmaThreads;
+  } else if (choice == MlaVerifyKernel::kMma) {
+    plan.row_tile = mla::kMmaRows;
+    plan.smem_bytes = mla::MmaSmem::kBytes;
+    kernel = reinterpret_cast<const void*>(&mla::MlaVerifyMmaKernel);
+    threads = mla::kMmaThreads;
   } else {
     plan.kernel = MlaVerifyKernel::kSimt;
     plan.row_tile = 1;
@@ -409,6 +441,10 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         Launch(WgmmaVariantFor(plan.kernel, plan.row_tile, plan.merge_in_grid).kernel, grid,
                mla::kWgmmaThreads, plan.smem_bytes, stream, plan.overlap_predecessor,
                "MLA verify split kernel launch", args, kv_map, q_map));
+  } else if (plan.kernel == MlaVerifyKernel::kMma) {
+    TV_RETURN_IF_ERROR(Launch(mla::MlaVerifyMmaKernel, grid, mla::kMmaThreads, plan.smem_bytes,
+                              stream, plan.overlap_predecessor, "MLA verify mma kernel launch", p,
+                              partial, plan.min_split_keys, plan.row_tiles, direct));
   } else {
     const dim3 simt_grid(static_cast<unsigned>(packed_rows), static_cast<unsigned>(plan.nsplit),
                          static_cast<unsigned>(shape.num_seqs));

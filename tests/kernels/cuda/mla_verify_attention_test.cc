@@ -317,12 +317,12 @@ class CudaMlaVerifyTest : public CudaTest {
     return plan;
   }
 
-  // RunAndCompare for each wgmma kernel (WgmmaKernels) at each forced NSPLIT; the wide kernel
-  // with either merge forced (the in-grid one where the launch is one wave, the planner refusing
-  // it elsewhere), the others with the planner's.
+  // RunAndCompare for each tensor-core kernel (TensorCoreKernels) at each forced NSPLIT; the wide
+  // kernel with either merge forced (the in-grid one where the launch is one wave, the planner
+  // refusing it elsewhere), the others with the planner's.
   void CompareEachKernel(const Problem& problem, std::initializer_list<int> nsplits) {
     using Merge = MlaVerifyOptions::Merge;
-    for (MlaVerifyKernel kernel : WgmmaKernels()) {
+    for (MlaVerifyKernel kernel : TensorCoreKernels()) {
       for (int nsplit : nsplits) {
         std::vector<Merge> merges = {Merge::kAuto};
         if (kernel == MlaVerifyKernel::kWgmmaWide) {
@@ -356,10 +356,14 @@ class CudaMlaVerifyTest : public CudaTest {
   }
   void CheckGraphReplay(MlaVerifyKernel kernel, bool overlap, MlaVerifyOptions::Merge merge);
 
-  // The planner's choice, and on sm_90 each wgmma kernel forced on the same inputs.
-  std::vector<MlaVerifyKernel> WgmmaKernels() const {
+  bool HasMma() const { return device_.compute_capability_major >= 8; }
+
+  // The planner's choice, and on sm_90 each tensor-core kernel forced on the same inputs: the
+  // wgmma ones and the mma.sync one (the planner's choice on other GPUs from sm_80 on).
+  std::vector<MlaVerifyKernel> TensorCoreKernels() const {
     if (!HasWgmma()) return {MlaVerifyKernel::kAuto};
-    return {MlaVerifyKernel::kAuto, MlaVerifyKernel::kWgmmaNarrow, MlaVerifyKernel::kWgmmaWide};
+    return {MlaVerifyKernel::kAuto, MlaVerifyKernel::kWgmmaNarrow, MlaVerifyKernel::kWgmmaWide,
+            MlaVerifyKernel::kMma};
   }
 };
 
@@ -385,11 +389,11 @@ TEST_F(CudaMlaVerifyTest, ProductionDimsMatchTheCpuBackend) {
       Problem problem(spec, rng);
       SCOPED_TRACE(testing::Message()
                    << "heads " << c.heads << " page " << page_size << " seqs " << seqs);
-      for (MlaVerifyKernel kernel : WgmmaKernels()) {
+      for (MlaVerifyKernel kernel : TensorCoreKernels()) {
         for (int nsplit : {0, 1, 3}) {
           const MlaVerifyPlan plan = RunAndCompare(
               problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
-          if (HasWgmma()) {
+          if (HasMma()) {
             EXPECT_NE(plan.kernel, MlaVerifyKernel::kSimt);
           }
         }
@@ -407,7 +411,7 @@ TEST_F(CudaMlaVerifyTest, DeepTreesAndLongChains) {
   spec.parents[2].resize(200);
   for (int i = 0; i < 200; ++i) spec.parents[2][i] = i - 1;  // a chain: prefill-like
   Problem problem(spec, rng);
-  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+  for (MlaVerifyKernel kernel : TensorCoreKernels()) {
     RunAndCompare(problem, {.kernel = kernel});
     RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = 5, .kernel = kernel});
   }
@@ -510,7 +514,7 @@ TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
 // back-to-back launches on alternating lengths, so with overlap_predecessor each launch starts
 // while the previous one finishes and must still leave exactly the last launch's result.
 TEST_F(CudaMlaVerifyTest, GraphReplayMatchesEagerAsContextsGrow) {
-  for (MlaVerifyKernel kernel : WgmmaKernels()) {
+  for (MlaVerifyKernel kernel : TensorCoreKernels()) {
     for (bool overlap : {false, true}) {
       for (MlaVerifyOptions::Merge merge :
            {MlaVerifyOptions::Merge::kAuto, MlaVerifyOptions::Merge::kSeparateKernel}) {
@@ -606,7 +610,7 @@ TEST_F(CudaMlaVerifyTest, PlannerFillsTheMachine) {
   // The split blocks merge themselves only up to 40 splits (66 on an H200: the merge kernel).
   EXPECT_EQ(plan->merge_in_grid, HasWgmma() && plan->nsplit <= 40);
   // Two wide row tiles share every key tile: splits of at least two tiles, unless asked otherwise.
-  EXPECT_EQ(plan->min_split_keys, HasWgmma() ? 128 : 64);
+  EXPECT_EQ(plan->min_split_keys, plan->kernel == MlaVerifyKernel::kSimt ? 64 : 128);
   EXPECT_EQ(PlanMlaVerify(shape, device_, {.min_split_keys = 64})->min_split_keys, 64);
   EXPECT_EQ(PlanMlaVerify(shape, device_, {.min_split_keys = -1}).status().code(),
             absl::StatusCode::kInvalidArgument);

@@ -52,6 +52,7 @@ enum class MlaVerifyKernel {
   kAuto,         // (options only) let the planner choose
   kWgmmaNarrow,  // sm_90a, 512 + 64 dims: row tiles of 8..32 packed rows as wgmma's N
   kWgmmaWide,    // sm_90a, 512 + 64 dims: 64-row tiles, two warpgroups split the value dims
+  kMma,          // sm_80 and later without wgmma (sm_120, sm_100), 512 + 64 dims: mma.sync
   kSimt,         // any GPU, latent <= 512 (a multiple of 4): one block per (row, split)
 };
 const char* MlaVerifyKernelName(MlaVerifyKernel kernel);
