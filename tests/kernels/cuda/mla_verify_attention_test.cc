@@ -493,6 +493,26 @@ TEST_F(CudaMlaVerifyTest, PortableKernelAtProductionDims) {
   }
 }
 
+// Pages that are not a multiple of 8 keys rule out the wgmma kernels (their TMA boxes); the mma
+// kernel looks up every key row, so it takes them, also on sm_90.
+TEST_F(CudaMlaVerifyTest, OddPageSizesTakeTheMmaKernel) {
+  if (!HasMma()) GTEST_SKIP() << "the mma kernel needs sm_80 or later";
+  std::mt19937 rng(14);
+  for (int page_size : {12, 20}) {
+    BatchSpec spec;
+    spec.heads = 8;
+    spec.page_size = page_size;
+    spec.committed = {1000, 37};
+    spec.parents = {RandomTree(9, rng), RandomTree(5, rng)};
+    Problem problem(spec, rng);
+    for (int nsplit : {0, 1, 5}) {
+      const MlaVerifyPlan plan =
+          RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit});
+      EXPECT_EQ(plan.kernel, MlaVerifyKernel::kMma) << "page size " << page_size;
+    }
+  }
+}
+
 TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
   std::mt19937 rng(12);
   for (auto [latent, rope] : {std::pair{32, 8}, std::pair{64, 16}}) {
