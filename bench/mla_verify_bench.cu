@@ -11,9 +11,10 @@
 // each launch of the graph streams its committed prefix while the previous one finishes, as it
 // would behind the previous kernel of a decode step. For the TP8 batch-1 shapes also what the op
 // adds behind a stand-in for that kernel (a 16 MB streaming read). Beside it: the planner's NSPLIT
-// against a sweep (a subset of shapes), an arbitrary tree against a chain of the same size, and two
-// reference points: a seed-style kernel (the portable kernel, one block per (row, split), NSPLIT
-// fixed at 16, scalar loads) and a cuBLAS attention that materializes the scores. Writes
+// against a sweep (a subset of shapes), an arbitrary tree against a chain of the same size, the
+// kernels the planner did not choose forced (the other wgmma kernel; the mma kernel at batch 1),
+// and two reference points: a seed-style kernel (the portable kernel, one block per (row, split),
+// NSPLIT fixed at 16, scalar loads) and a cuBLAS attention that materializes the scores. Writes
 // mla_verify.json and mla_verify.md under --out.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -628,6 +629,7 @@ struct Row {
   double seed_us = -1;
   double cublas_us = -1;
   double other_kernel_us = -1;
+  double mma_kernel_us = -1;    // the mma kernel forced (wgmma GPUs, batch 1)
   double merge_kernel_us = -1;  // plans that merge in the grid: the same with the merge kernel
   double overlap_us = -1;
   // TP8 batch-1 shapes: behind a Predecessor, the op's time on top of the predecessor's alone,
@@ -812,9 +814,10 @@ int main(int argc, char** argv) {
         }
       }
     }
+    const bool wgmma_plan = row.plan.kernel == tvc::MlaVerifyKernel::kWgmmaNarrow ||
+                            row.plan.kernel == tvc::MlaVerifyKernel::kWgmmaWide;
     // The other wgmma kernel on the same inputs: what the planner's narrow/wide rule gives up.
-    if (shape.batch == 1 && shape.context != 131072 &&
-        row.plan.kernel != tvc::MlaVerifyKernel::kSimt) {
+    if (shape.batch == 1 && shape.context != 131072 && wgmma_plan) {
       const tvc::MlaVerifyKernel other = row.plan.kernel == tvc::MlaVerifyKernel::kWgmmaWide
                                              ? tvc::MlaVerifyKernel::kWgmmaNarrow
                                              : tvc::MlaVerifyKernel::kWgmmaWide;
@@ -824,6 +827,14 @@ int main(int argc, char** argv) {
       ensure_workspace(alt->workspace_bytes);
       row.other_kernel_us = w.TimePlan(*alt, workspace, stream, 7);
       row.other_kernel_plan = alt->ToString();
+    }
+    // The mma.sync kernel (the choice of GPUs without wgmma) on the same inputs, at batch 1.
+    if (shape.batch == 1 && wgmma_plan) {
+      absl::StatusOr<tvc::MlaVerifyPlan> mma =
+          tvc::PlanMlaVerify(w.MlaShape(), *device, {.kernel = tvc::MlaVerifyKernel::kMma});
+      CheckStatus(mma.status(), "plan");
+      ensure_workspace(mma->workspace_bytes);
+      row.mma_kernel_us = w.TimePlan(*mma, workspace, stream, 7);
     }
     if (chain_shape(shape)) {
       Shape chain = shape;
@@ -868,9 +879,9 @@ int main(int argc, char** argv) {
   std::string md =
       "| H | Q | L | B | us | floor us | % roofline | overlapped us | overlapped % | GB/s | "
       "TFLOP/s | kernel | rows/tile | NSPLIT | waves | merge | merge-kernel us | best swept "
-      "NSPLIT (us) | other wgmma kernel us | chain us | seed-style us | cuBLAS us |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-      "\n";
+      "NSPLIT (us) | other wgmma kernel us | mma kernel us | chain us | seed-style us | cuBLAS us "
+      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+      "---|\n";
   for (const Row& r : rows) {
     nlohmann::json j = {{"heads", r.shape.heads},
                         {"rows", r.shape.rows},
@@ -890,6 +901,7 @@ int main(int argc, char** argv) {
                         {"seed_style_us", r.seed_us},
                         {"cublas_us", r.cublas_us},
                         {"other_kernel_us", r.other_kernel_us},
+                        {"mma_kernel_us", r.mma_kernel_us},
                         {"merge_kernel_us", r.merge_kernel_us},
                         {"overlap_us", r.overlap_us},
                         {"overlap_roofline_fraction", r.floor_us / r.overlap_us},
@@ -911,6 +923,7 @@ int main(int argc, char** argv) {
                ? std::to_string(r.best_sweep_nsplit) + " (" + Fmt("%.1f", r.best_sweep_us) + ")"
                : std::string("")) +
           " | " + (r.other_kernel_us > 0 ? Fmt("%.1f", r.other_kernel_us) : "") + " | " +
+          (r.mma_kernel_us > 0 ? Fmt("%.1f", r.mma_kernel_us) : "") + " | " +
           (r.chain_us > 0 ? Fmt("%.1f", r.chain_us) : "") + " | " +
           (r.seed_us > 0 ? Fmt("%.1f", r.seed_us) : "") + " | " +
           (r.cublas_us > 0 ? Fmt("%.1f", r.cublas_us) : "") + " |\n";
