@@ -354,10 +354,10 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
                      plan.smem_bytes, " bytes of shared memory does not fit a multiprocessor"));
   }
   plan.row_tiles = static_cast<int32_t>((packed_rows + plan.row_tile - 1) / plan.row_tile);
-  // One key tile, or two where a wgmma launch has several row tiles: each key tile is then read by
-  // a block of every row tile, and each block loads its row tile's queries and writes a partial,
-  // so splits of one tile load and write more than they stream (2-7 % slower than splits of two
-  // at L = 4k, bench/NOTES.md step 68).
+  // One key tile, or two where a tensor-core launch has several row tiles: each key tile is then
+  // read by a block of every row tile, and each block loads its row tile's queries and writes a
+  // partial, so splits of one tile load and write more than they stream (wgmma: 2-7 % slower than
+  // splits of two at L = 4k, bench/NOTES.md step 68).
   const bool shared_key_tiles = plan.kernel != MlaVerifyKernel::kSimt && plan.row_tiles > 1;
   plan.min_split_keys = options.min_split_keys > 0 ? options.min_split_keys
                                                    : (shared_key_tiles ? 2 : 1) * kMlaKeyTile;

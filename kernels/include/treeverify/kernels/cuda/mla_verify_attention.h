@@ -62,7 +62,7 @@ inline constexpr int kMlaVerifyTimestampsPerBlock = 7;
 
 struct MlaVerifyOptions {
   // No split but a sequence's last covers fewer keys; 0: the planner's (64, one key tile, or 128
-  // where a wgmma launch has several row tiles).
+  // where a tensor-core launch has several row tiles).
   int32_t min_split_keys = 0;
   int32_t forced_nsplit = 0;  // > 0: use this NSPLIT (benchmarks sweep it)
   // kAuto: narrow row tiles up to 32 packed rows per sequence, wide ones above; kSimt where wgmma
