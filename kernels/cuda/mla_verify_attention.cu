@@ -108,8 +108,8 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
 // The mma.sync kernel runs on sm_80 and later where the binary has code for the GPU, at the
 // production dims (any page size: it looks up every key row).
 bool MmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
-  if (device.compute_capability_major < 8 || s.latent_dim != mla::kMmaLatent ||
-      s.latent_dim + s.rope_dim != mla::kMmaDims) {
+  if (device.compute_capability_major < 8 || s.latent_dim != mla::kMlaLatent ||
+      s.rope_dim != mla::kMlaRope) {
     return false;
   }
   cudaFuncAttributes attributes{};

@@ -4,11 +4,22 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
 
 namespace treeverify::kernels::cuda::mla {
+
+// The production dims (DeepSeek-V3, Kimi-K2) the tensor-core kernels are built for.
+inline constexpr int kMlaLatent = 512;
+inline constexpr int kMlaRope = 64;
+
+// A split's (or a row's) natural-log sum-exp from its max score in the log2 domain and its sum of
+// exp2(score - max); -inf when nothing was visible.
+__device__ inline float NaturalLse(float max_log2, float sum) {
+  return sum > 0.f ? (max_log2 + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+}
 
 // A sequence's keys: its committed prefix followed by its own tree nodes.
 struct SequenceSpan {

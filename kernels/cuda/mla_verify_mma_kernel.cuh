@@ -29,8 +29,7 @@ namespace treeverify::kernels::cuda::mla {
 inline constexpr int kMmaRows = 16;      // packed rows per block
 inline constexpr int kMmaThreads = 128;  // four warps
 inline constexpr int kMmaHalfTile = kMlaKeyTile / 2;
-inline constexpr int kMmaDims = 576;
-inline constexpr int kMmaLatent = 512;
+inline constexpr int kMmaDims = kMlaLatent + kMlaRope;
 inline constexpr int kMmaRowBytes = kMmaDims * 2 + 16;  // a key or query row, padded
 
 struct MmaSmem {
@@ -236,10 +235,10 @@ __global__ void __launch_bounds__(kMmaThreads)
     const float sum =
         row_sum[r] + row_sum[kMmaRows + r] + row_sum[2 * kMmaRows + r] + row_sum[3 * kMmaRows + r];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = sum > 0.f ? (m[h] + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    const float lse = NaturalLse(m[h], sum);
     const int64_t global_row = static_cast<int64_t>(span.row_begin) * heads + row0 + r;
     if (direct_output) {
-      __nv_bfloat16* out = p.out + global_row * kMmaLatent + 128 * warp + 2 * t;
+      __nv_bfloat16* out = p.out + global_row * kMlaLatent + 128 * warp + 2 * t;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         *reinterpret_cast<__nv_bfloat162*>(out + 8 * n) =

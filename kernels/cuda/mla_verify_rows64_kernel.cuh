@@ -30,6 +30,7 @@
 #include "mla_verify_common.cuh"
 #include "mla_verify_grid_merge.cuh"
 #include "mla_verify_wgmma_kernel.cuh"
+#include "mma_sync_primitives.cuh"
 #include "sm90_primitives.cuh"
 #include "sm90_wgmma_wide.cuh"
 
@@ -75,11 +76,6 @@ __device__ inline void WaitTileReady(int tile) {
   } else {
     sm90::NamedBarrier<kTileReadyEven, 256>();
   }
-}
-
-__device__ inline uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // The end of a split block under the in-grid merge, by the 256 consumer threads after the
@@ -279,10 +275,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
       uint32_t p_frag[4][4];
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
-        p_frag[t][0] = PackBf16(s[8 * t + 0], s[8 * t + 1]);
-        p_frag[t][1] = PackBf16(s[8 * t + 2], s[8 * t + 3]);
-        p_frag[t][2] = PackBf16(s[8 * t + 4], s[8 * t + 5]);
-        p_frag[t][3] = PackBf16(s[8 * t + 6], s[8 * t + 7]);
+        p_frag[t][0] = mma::PackBf16x2(s[8 * t + 0], s[8 * t + 1]);
+        p_frag[t][1] = mma::PackBf16x2(s[8 * t + 2], s[8 * t + 3]);
+        p_frag[t][2] = mma::PackBf16x2(s[8 * t + 4], s[8 * t + 5]);
+        p_frag[t][3] = mma::PackBf16x2(s[8 * t + 6], s[8 * t + 7]);
       }
       // Publish P, alpha and the row statistics. P's buffer is free: its last reader was this
       // warpgroup, as the non-owner of tile i - 1, and that multiply has completed.
@@ -384,10 +380,11 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     __nv_bfloat16* row_smem = staging + row * kStagingStride + 256 * wg + 8 * (k / 2);
 #pragma unroll
     for (int j = 0; j < 32; j += 2) {
-      sm90::StoreMatrices8x8x4(row_smem + 8 * j, PackBf16(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
-                               PackBf16(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
-                               PackBf16(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
-                               PackBf16(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+      sm90::StoreMatrices8x8x4(row_smem + 8 * j,
+                               mma::PackBf16x2(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                               mma::PackBf16x2(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                               mma::PackBf16x2(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                               mma::PackBf16x2(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
     }
   }
 #pragma unroll
@@ -396,7 +393,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     const float m = m_row[h];
     const float l = l_row[h];
     if (wg == 0 && quad == 0 && r < valid_rows) {
-      const float lse = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      const float lse = NaturalLse(m, l);
       if (write_final) {
         p.lse[global_row0 + r] = lse;
       } else {

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kSimtThreads)
   }
   const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
   // Natural-log sum-exp of the unscaled-by-log2e scores.
-  const float lse = l_all > 0.f ? (m_all + log2f(l_all)) * 0.6931471805599453f : -INFINITY;
+  const float lse = NaturalLse(m_all, l_all);
   const int64_t global_row = static_cast<int64_t>(span.row_begin + node) * heads + head;
   for (int d = threadIdx.x; d < latent; d += kSimtThreads) {
     float sum = 0.f;

@@ -34,8 +34,8 @@
 
 namespace treeverify::kernels::cuda::mla {
 
-inline constexpr int kWgmmaLatent = 512;
-inline constexpr int kWgmmaRope = 64;
+inline constexpr int kWgmmaLatent = kMlaLatent;
+inline constexpr int kWgmmaRope = kMlaRope;
 inline constexpr int kWgmmaChunks = (kWgmmaLatent + kWgmmaRope) / 64;  // 64-dim chunks per row
 inline constexpr int kWgmmaThreads = 384;  // consumer WGs 0 and 1, producer WG 2
 inline constexpr int kStageBytes = kWgmmaChunks * kMlaKeyTile * 128;  // 73728
@@ -491,7 +491,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         }
         if (wg == 0 && wg_warp == 0 && lane < 4) {
           args.partial.lse[args.partial.Index(seq, split, row0 + col)] =
-              l > 0.f ? (m_col[2 * j + e] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+              NaturalLse(m_col[2 * j + e], l);
         }
       }
     }
@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
         }
       }
       if (wg == 0 && wg_warp == 0 && lane < 4) {
-        lse_out[col] = l > 0.f ? (m_col[ci] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+        lse_out[col] = NaturalLse(m_col[ci], l);
       }
     }
   }

@@ -5,10 +5,13 @@
 // accumulator rows g and g + 8, columns 2t and 2t + 1.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace treeverify::kernels::cuda::mma {
 
+// The shared-space address of a generic pointer into shared memory (also sm90::SmemAddress).
 __device__ inline uint32_t SmemAddress(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
@@ -49,10 +52,11 @@ __device__ inline void MmaBf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Two floats as bf16 (round to nearest) in one register, `lo` in the low half: an A fragment's
+// pair of columns.
 __device__ inline uint32_t PackBf16x2(float lo, float hi) {
-  uint32_t packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
-  return packed;
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 }  // namespace treeverify::kernels::cuda::mma

@@ -12,17 +12,17 @@
 
 #include <cstdint>
 
+#include "mma_sync_primitives.cuh"
+
 namespace treeverify::kernels::cuda::sm90 {
+
+using mma::SmemAddress;
 
 // %globaltimer, in ns (the timestamps' and the in-grid merge's wait limit's clock).
 __device__ inline uint64_t GlobalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-
-__device__ inline uint32_t SmemAddress(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
 // `smem` (dynamic shared memory) advanced to the next multiple of kAlign of its shared-space
