@@ -198,6 +198,17 @@ cudaGraphExec_t Capture(cudaStream_t stream, Body body) {
   return exec;
 }
 
+// Median microseconds per launch of graphs of `launches` launches, launch i queued by body(i).
+template <typename Body>
+double UsPerLaunch(cudaStream_t stream, int launches, int replays, Body body) {
+  cudaGraphExec_t exec = Capture(stream, [&] {
+    for (int i = 0; i < launches; ++i) body(i);
+  });
+  const double us = TimeGraph(exec, stream, replays) * 1e3 / launches;
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  return us;
+}
+
 struct Ceilings {
   double copy_bytes_per_s = 0;
   double memcpy_bytes_per_s = 0;
@@ -280,22 +291,16 @@ std::vector<LaunchProbe> MeasureLaunchProbes(cudaStream_t stream, int sms, const
     CHECK_CUDA(cudaMalloc(&data, bytes * copies));
     Fill(data, bytes * copies / 2, 7);
     auto time_per_launch = [&](bool read, bool empty_after, bool overlap = false) {
-      const int launches = LaunchesPerGraph(copies);
-      cudaGraphExec_t exec = Capture(stream, [&] {
-        for (int i = 0; i < launches; ++i) {
-          const int c = i % copies;
-          if (read) {
-            LaunchProbeKernel(
-                ReadKernel, sms * 4, 256, stream, overlap && i > 0,
-                reinterpret_cast<const uint4*>(reinterpret_cast<char*>(data) + c * bytes),
-                bytes / 16, sink);
-          }
-          if (empty_after) LaunchProbeKernel(EmptyKernel, 1, 32, stream, overlap);
+      return UsPerLaunch(stream, LaunchesPerGraph(copies), 15, [&](int i) {
+        const int c = i % copies;
+        if (read) {
+          LaunchProbeKernel(
+              ReadKernel, sms * 4, 256, stream, overlap && i > 0,
+              reinterpret_cast<const uint4*>(reinterpret_cast<char*>(data) + c * bytes), bytes / 16,
+              sink);
         }
+        if (empty_after) LaunchProbeKernel(EmptyKernel, 1, 32, stream, overlap);
       });
-      const double us = TimeGraph(exec, stream, 15) * 1e3 / launches;
-      CHECK_CUDA(cudaGraphExecDestroy(exec));
-      return us;
     };
     probes.push_back({context, bytes / ceilings.copy_bytes_per_s * 1e6,
                       time_per_launch(true, false), time_per_launch(true, true),
@@ -330,12 +335,7 @@ class Predecessor {
 
   // Median us per launch of graphs of `launches` predecessor launches alone.
   double TimeAlone(int launches, cudaStream_t stream, int replays) const {
-    cudaGraphExec_t exec = Capture(stream, [&] {
-      for (int i = 0; i < launches; ++i) Launch(i, stream);
-    });
-    const double us = TimeGraph(exec, stream, replays) * 1e3 / launches;
-    CHECK_CUDA(cudaGraphExecDestroy(exec));
-    return us;
+    return UsPerLaunch(stream, launches, replays, [&](int i) { Launch(i, stream); });
   }
 
   // Launch i of a graph: copy i of the rotation.
@@ -450,23 +450,16 @@ class Workload {
     return p;
   }
 
-  // Median microseconds of one launch of `plan`, from graphs that cycle through the copies.
-  // Median us per launch in graphs of back-to-back launches; with `before`, each launch follows
-  // one of its launches (the time then includes the predecessor's).
+  // Median microseconds of one launch of `plan`, from graphs of back-to-back launches that cycle
+  // through the copies; with `before`, each launch follows one of its launches (the time then
+  // includes the predecessor's).
   double TimePlan(const tvc::MlaVerifyPlan& plan, void* workspace, cudaStream_t stream, int replays,
                   const Predecessor* before = nullptr) const {
-    const int launches = LaunchesPerGraph(copies_);
-    cudaGraphExec_t exec = Capture(stream, [&] {
-      for (int i = 0; i < launches; ++i) {
-        if (before != nullptr) before->Launch(i, stream);
-        CheckStatus(
-            tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace, stream),
-            "MlaVerifyAttention");
-      }
+    return UsPerLaunch(stream, LaunchesPerGraph(copies_), replays, [&](int i) {
+      if (before != nullptr) before->Launch(i, stream);
+      CheckStatus(tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace, stream),
+                  "MlaVerifyAttention");
     });
-    const double us = TimeGraph(exec, stream, replays) * 1e3 / launches;
-    CHECK_CUDA(cudaGraphExecDestroy(exec));
-    return us;
   }
 
   const Shape& shape() const { return shape_; }
@@ -545,26 +538,21 @@ double TimeCublasReference(const Workload& w, cublasHandle_t cublas, cudaStream_
   CHECK_CUDA(cudaMalloc(&out, rows * kLatent * 2));
   const float one = 1.f, zero = 0.f;
   const int copies = w.copies();
-  const int launches = LaunchesPerGraph(copies);
-  cudaGraphExec_t exec = Capture(stream, [&] {
-    for (int i = 0; i < launches; ++i) {
-      const int c = i % copies;
-      // Copy c's pages are contiguous: its KV is a [keys, 576] row-major matrix.
-      const __nv_bfloat16* kv = w.cache() + int64_t{c} * w.pages_per_seq() * kPageSize * kDims;
-      CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(keys),
-                                static_cast<int>(rows), kDims, &one, kv, CUDA_R_16BF, kDims, w.q(),
-                                CUDA_R_16BF, kDims, &zero, scores, CUDA_R_32F,
-                                static_cast<int>(keys), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      MaskedSoftmax<<<static_cast<unsigned>(rows), 256, 0, stream>>>(
-          scores, probs, w.masks(), keys, s.context, s.heads, 1.f / std::sqrt(192.f));
-      CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, kLatent, static_cast<int>(rows),
-                                static_cast<int>(keys), &one, kv, CUDA_R_16BF, kDims, probs,
-                                CUDA_R_16BF, static_cast<int>(keys), &zero, out, CUDA_R_16BF,
-                                kLatent, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    }
+  const double us = UsPerLaunch(stream, LaunchesPerGraph(copies), 3, [&](int i) {
+    const int c = i % copies;
+    // Copy c's pages are contiguous: its KV is a [keys, 576] row-major matrix.
+    const __nv_bfloat16* kv = w.cache() + int64_t{c} * w.pages_per_seq() * kPageSize * kDims;
+    CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(keys),
+                              static_cast<int>(rows), kDims, &one, kv, CUDA_R_16BF, kDims, w.q(),
+                              CUDA_R_16BF, kDims, &zero, scores, CUDA_R_32F, static_cast<int>(keys),
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MaskedSoftmax<<<static_cast<unsigned>(rows), 256, 0, stream>>>(
+        scores, probs, w.masks(), keys, s.context, s.heads, 1.f / std::sqrt(192.f));
+    CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, kLatent, static_cast<int>(rows),
+                              static_cast<int>(keys), &one, kv, CUDA_R_16BF, kDims, probs,
+                              CUDA_R_16BF, static_cast<int>(keys), &zero, out, CUDA_R_16BF, kLatent,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   });
-  const double us = TimeGraph(exec, stream, 3) * 1e3 / launches;
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaFree(scores));
   CHECK_CUDA(cudaFree(probs));
   CHECK_CUDA(cudaFree(out));
