@@ -583,7 +583,9 @@ class Workload {
 
   // Launch i of a graph: the op on copy i of the rotation.
   void Launch(const tvc::MlaVerifyPlan& plan, int i, void* workspace, cudaStream_t stream) const {
-    CheckStatus(tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace, stream),
+    // The bench's workspace holds at least every plan's bytes (ensure_workspace in main).
+    CheckStatus(tvc::MlaVerifyAttention(Params(i % copies_), MlaShape(), plan, workspace,
+                                        plan.workspace_bytes, stream),
                 "MlaVerifyAttention");
   }
 
@@ -700,9 +702,9 @@ void WriteTimeline(const Workload& w, tvc::MlaVerifyPlan plan, void* workspace, 
   CHECK_CUDA(cudaMemsetAsync(stamps, 0, entries * launches * 8, stream));
   for (int i = 0; i < 3 + launches; ++i) {
     plan.timestamps = i < 3 ? nullptr : stamps + (i - 3) * entries;
-    CheckStatus(
-        tvc::MlaVerifyAttention(w.Params(i % w.copies()), w.MlaShape(), plan, workspace, stream),
-        i < 3 ? "warm-up" : "timed launch");
+    CheckStatus(tvc::MlaVerifyAttention(w.Params(i % w.copies()), w.MlaShape(), plan, workspace,
+                                        plan.workspace_bytes, stream),
+                i < 3 ? "warm-up" : "timed launch");
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<uint64_t> host(entries * launches);

@@ -31,6 +31,39 @@ constexpr int64_t kMaxAutoNarrowRows = 32;
 // (about 205 FLOP per byte of KV, 1.9 FLOP per byte per row) is near 110 rows.
 constexpr int64_t kMemoryBoundRows = 110;
 
+// Which of this module's kernel bodies the image loaded for the current GPU holds. The kernels
+// compile their bodies under the same tests as this probe (sm_90a features for wgmma, sm_80 for
+// mma.sync) and trap or do nothing otherwise, and cudaFuncAttributes cannot tell those images
+// apart: binaryVersion is 90 for sm_90 and sm_90a code alike, and for PTX of an older target
+// compiled on load. The probe's static shared memory, which cudaFuncGetAttributes reports
+// without a launch (so also while a graph is captured), says which test its code passed.
+enum class KernelImage { kNone = 0, kPortable = 1, kMmaSync = 2, kSm90a = 3 };
+
+__global__ void KernelImageProbe(int never) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kUnits = static_cast<int>(KernelImage::kSm90a);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kUnits = static_cast<int>(KernelImage::kMmaSync);
+#else
+  constexpr int kUnits = static_cast<int>(KernelImage::kPortable);
+#endif
+  __shared__ uint4 marker[kUnits];  // 16 bytes per unit
+  if (never != 0) {                 // never true: keeps the array, which the attributes report
+    volatile uint32_t* words = reinterpret_cast<volatile uint32_t*>(marker);
+    words[never % (4 * kUnits)] = words[(never + 1) % (4 * kUnits)];
+  }
+}
+
+KernelImage LoadedKernelImage() {
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&KernelImageProbe)) !=
+      cudaSuccess) {
+    cudaGetLastError();  // no image for this GPU in this binary
+    return KernelImage::kNone;
+  }
+  return static_cast<KernelImage>(attributes.sharedSizeBytes / sizeof(uint4));
+}
+
 // The wgmma kernels share one signature; the narrow one is instantiated per row tile.
 using WgmmaKernelFn = void (*)(mla::WgmmaArgs, CUtensorMap, CUtensorMap);
 
@@ -75,18 +108,38 @@ int ChooseRowTile(int64_t packed_rows) {
   return best;
 }
 
+// Sequences are a grid dimension (y or z: at most 65535); heads and rope dims are bounded far
+// above any model's so that sizes stay in 32 bits (DeepSeek-V3: 128 heads, 64 rope dims).
+constexpr int32_t kMaxSeqs = 65535;
+constexpr int32_t kMaxHeads = 4096;
+constexpr int32_t kMaxRopeDim = 512;
+
 absl::Status ValidateShape(const MlaVerifyShape& s) {
-  if (s.num_seqs <= 0 || s.max_rows_per_seq <= 0 || s.max_rows_per_seq > kMaxSegmentRows ||
-      s.row_capacity < s.max_rows_per_seq || s.num_heads <= 0 || s.latent_dim <= 0 ||
-      s.latent_dim % 4 != 0 || s.latent_dim > mla::kSimtMaxLatentPerLane * 32 || s.rope_dim < 0 ||
-      s.page_size <= 0) {
+  if (s.num_seqs <= 0 || s.num_seqs > kMaxSeqs || s.max_rows_per_seq <= 0 ||
+      s.max_rows_per_seq > kMaxSegmentRows || s.row_capacity < s.max_rows_per_seq ||
+      s.num_heads <= 0 || s.num_heads > kMaxHeads || s.latent_dim <= 0 || s.latent_dim % 4 != 0 ||
+      s.latent_dim > mla::kSimtMaxLatentPerLane * 32 || s.rope_dim < 0 ||
+      s.rope_dim > kMaxRopeDim || s.page_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "MLA verify shape: num_seqs ", s.num_seqs, ", max_rows_per_seq ", s.max_rows_per_seq,
-        " (1..", kMaxSegmentRows, "), row_capacity ", s.row_capacity, ", num_heads ", s.num_heads,
-        ", latent_dim ", s.latent_dim, " (a multiple of 4 up to ", mla::kSimtMaxLatentPerLane * 32,
-        "), rope_dim ", s.rope_dim, ", page_size ", s.page_size));
+        "MLA verify shape: num_seqs ", s.num_seqs, " (1..", kMaxSeqs, "), max_rows_per_seq ",
+        s.max_rows_per_seq, " (1..", kMaxSegmentRows, "), row_capacity ", s.row_capacity,
+        ", num_heads ", s.num_heads, " (1..", kMaxHeads, "), latent_dim ", s.latent_dim,
+        " (a multiple of 4 up to ", mla::kSimtMaxLatentPerLane * 32, "), rope_dim ", s.rope_dim,
+        " (0..", kMaxRopeDim, "), page_size ", s.page_size));
   }
   return absl::OkStatus();
+}
+
+// What a plan fixed that a launch must keep: everything but row_capacity (the q / out buffers may
+// grow; the tensor maps are made per launch).
+bool SamePlannedShape(const MlaVerifyShape& a, const MlaVerifyShape& b) {
+  return a.num_seqs == b.num_seqs && a.max_rows_per_seq == b.max_rows_per_seq &&
+         a.num_heads == b.num_heads && a.latent_dim == b.latent_dim && a.rope_dim == b.rope_dim &&
+         a.page_size == b.page_size;
+}
+
+bool Aligned(const void* pointer, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
 }
 
 // The wgmma kernels run on sm_90 built with sm_90a code, at the production dims, with pages whose
@@ -96,13 +149,7 @@ bool WgmmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
       s.latent_dim != mla::kWgmmaLatent || s.rope_dim != mla::kWgmmaRope || s.page_size % 8 != 0) {
     return false;
   }
-  cudaFuncAttributes attributes{};
-  const WgmmaKernelFn probe = WgmmaVariantFor(MlaVerifyKernel::kWgmmaNarrow, 8).kernel;
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(probe)) != cudaSuccess) {
-    cudaGetLastError();  // no sm_90 image in this binary
-    return false;
-  }
-  return attributes.binaryVersion == 90;
+  return LoadedKernelImage() == KernelImage::kSm90a;
 }
 
 // The mma.sync kernel runs on sm_80 and later where the binary has code for the GPU, at the
@@ -112,13 +159,8 @@ bool MmaApplies(const MlaVerifyShape& s, const DeviceInfo& device) {
       s.rope_dim != mla::kMlaRope) {
     return false;
   }
-  cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&mla::MlaVerifyMmaKernel)) !=
-      cudaSuccess) {
-    cudaGetLastError();  // no image for this GPU in this binary
-    return false;
-  }
-  return attributes.binaryVersion >= 80;
+  const KernelImage image = LoadedKernelImage();
+  return image == KernelImage::kMmaSync || image == KernelImage::kSm90a;
 }
 
 // The merge kernel's block for `nsplit` splits. Up to 8 splits: a group of 16 threads per split
@@ -291,7 +333,17 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
     return absl::InvalidArgumentError(absl::StrCat("MLA verify plan: min_split_keys ",
                                                    options.min_split_keys, " (0: the planner's)"));
   }
+  int current = -1;
+  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  if (current != device.ordinal) {
+    // The kernel attributes and occupancy below are the current device's.
+    return absl::FailedPreconditionError(absl::StrCat("MLA verify plan for device ", device.ordinal,
+                                                      " made while device ", current,
+                                                      " is current"));
+  }
   MlaVerifyPlan plan;
+  plan.shape = shape;
+  plan.device_ordinal = device.ordinal;
   plan.overlap_predecessor = options.overlap_predecessor;
   plan.timestamps = options.timestamps;
   const int64_t packed_rows = static_cast<int64_t>(shape.max_rows_per_seq) * shape.num_heads;
@@ -388,8 +440,18 @@ absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStrea
 }
 
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifyShape& shape,
-                                const MlaVerifyPlan& plan, void* workspace, cudaStream_t stream) {
+                                const MlaVerifyPlan& plan, void* workspace, int64_t workspace_bytes,
+                                cudaStream_t stream) {
   TV_RETURN_IF_ERROR(ValidateShape(shape));
+  if (plan.blocks <= 0 || !SamePlannedShape(plan.shape, shape)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA verify: a plan for (num_seqs ", plan.shape.num_seqs, ", max_rows_per_seq ",
+        plan.shape.max_rows_per_seq, ", heads ", plan.shape.num_heads, ", dims ",
+        plan.shape.latent_dim, "+", plan.shape.rope_dim, ", page_size ", plan.shape.page_size,
+        ") launched with (", shape.num_seqs, ", ", shape.max_rows_per_seq, ", ", shape.num_heads,
+        ", ", shape.latent_dim, "+", shape.rope_dim, ", ", shape.page_size,
+        "): plan each shape (PlanMlaVerify)"));
+  }
   if (p.num_seqs != shape.num_seqs || p.num_heads != shape.num_heads ||
       p.latent_dim != shape.latent_dim || p.rope_dim != shape.rope_dim ||
       p.page_size != shape.page_size || p.num_pages <= 0 || p.max_pages_per_seq <= 0) {
@@ -403,9 +465,22 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
       p.out == nullptr || p.lse == nullptr) {
     return absl::InvalidArgumentError("MLA verify: every params pointer must be set");
   }
-  if (plan.nsplit > 1 && workspace == nullptr) {
+  if (!Aligned(p.q, 16) || !Aligned(p.kv_cache, 16) || !Aligned(p.out, 16) || !Aligned(p.lse, 4)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("MLA verify: the plan needs ", plan.workspace_bytes, " bytes of workspace"));
+        "MLA verify: q, kv_cache and out must be 16-byte aligned, lse 4-byte aligned");
+  }
+  if (plan.workspace_bytes > 0 && (workspace == nullptr || workspace_bytes < plan.workspace_bytes ||
+                                   !Aligned(workspace, 256))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MLA verify: the plan needs ", plan.workspace_bytes,
+                     " bytes of 256-byte aligned workspace; given ", workspace_bytes,
+                     " bytes at 0x", absl::Hex(reinterpret_cast<uintptr_t>(workspace))));
+  }
+  int current = -1;
+  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  if (current != plan.device_ordinal) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "MLA verify: a plan for device ", plan.device_ordinal, " launched on device ", current));
   }
   const int32_t packed_rows = shape.max_rows_per_seq * shape.num_heads;
   const mla::PartialLayout partial =

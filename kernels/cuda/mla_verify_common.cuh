@@ -125,6 +125,12 @@ struct PartialLayout {
   static int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 };
 
+// Whether a page index from a page table lies in the cache. The kernels read a page outside it (a
+// caller's bug) as zeros rather than fault: a fault would end every session's work on the device.
+__device__ inline bool PageInCache(const MlaVerifyParamsBf16& p, int32_t page) {
+  return static_cast<uint32_t>(page) < static_cast<uint32_t>(p.num_pages);
+}
+
 // Whether a segment row (node) may see key `key` of its sequence: every prefix key, and the
 // tree nodes set in its ancestor bitmask.
 __device__ inline bool KeyVisible(const uint64_t* ancestor_mask, int32_t committed, int32_t node,

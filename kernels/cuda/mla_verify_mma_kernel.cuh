@@ -45,13 +45,14 @@ static_assert(MmaSmem::kBytes <= 99 * 1024, "sm_120 allows 99 KB of shared memor
 
 // Queues the cp.async loads of half tile `half` (keys first_key..+31 of the sequence) into
 // `stage`: thread t loads 16-byte chunks t % 4, + 4, ... of key row t / 4. Keys at or past
-// key_end are zero-filled.
+// key_end, and keys on a page outside the cache (the caller's bug, read as zeros as the TMA
+// kernels' are), are zero-filled.
 __device__ inline void LoadHalfTile(const MlaVerifyParamsBf16& p, const int32_t* page_table,
                                     int first_key, int key_end, uint8_t* stage) {
   const int key_in_half = threadIdx.x / 4;
   const int key = first_key + key_in_half;
-  const bool valid = key < key_end;
-  const int32_t page = valid ? page_table[key / p.page_size] : 0;
+  const int32_t page = key < key_end ? page_table[key / p.page_size] : 0;
+  const bool valid = key < key_end && PageInCache(p, page);
   const __nv_bfloat16* src =
       p.kv_cache + (static_cast<int64_t>(page) * p.page_size + key % p.page_size) * kMmaDims;
   uint8_t* dst = stage + key_in_half * kMmaRowBytes;

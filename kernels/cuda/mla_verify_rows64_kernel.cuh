@@ -121,10 +121,17 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const SequenceSpan span = LoadSequence(p, seq);
   const int heads = p.num_heads;
   const int rows = span.rows * heads;
-  if (row0 >= rows) return;
+  // Blocks without work wait for the previous kernel too, as the narrow kernel's do.
+  if (row0 >= rows) {
+    WaitForPredecessorGrid();
+    return;
+  }
   const int32_t keys = span.keys();
   const SplitTiles tiles = SplitRange(keys, args.partial.nsplit, args.min_split_keys, split);
-  if (tiles.begin == tiles.end) return;
+  if (tiles.begin == tiles.end) {
+    WaitForPredecessorGrid();
+    return;
+  }
   const int num_tiles = tiles.end - tiles.begin;
 
   if (threadIdx.x == 0) InitStageBarriers(full, q_ready, 256);  // both WGs read every tile

@@ -68,10 +68,14 @@ __global__ void __launch_bounds__(kSimtThreads)
     if (!KeyVisible(mask, span.committed, node, key)) continue;
     const int32_t page =
         p.page_table[static_cast<int64_t>(seq) * p.max_pages_per_seq + key / p.page_size];
+    // A page outside the cache (the caller's bug) reads as zeros, as the TMA kernels' do.
+    const bool in_cache = PageInCache(p, page);
     const __nv_bfloat16* kv =
         p.kv_cache + (static_cast<int64_t>(page) * p.page_size + key % p.page_size) * dims;
     float dot = 0.f;
-    for (int d = lane; d < dims; d += 32) dot += q[d] * __bfloat162float(kv[d]);
+    if (in_cache) {
+      for (int d = lane; d < dims; d += 32) dot += q[d] * __bfloat162float(kv[d]);
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
     const float score = dot * scale;
@@ -82,7 +86,7 @@ __global__ void __launch_bounds__(kSimtThreads)
 #pragma unroll
     for (int i = 0; i < kSimtMaxLatentPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < latent) acc[i] = acc[i] * alpha + weight * __bfloat162float(kv[d]);
+      if (d < latent) acc[i] = acc[i] * alpha + (in_cache ? weight * __bfloat162float(kv[d]) : 0.f);
     }
     m = m_new;
   }

@@ -276,7 +276,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const MlaVerifyParamsBf16& p = args.p;
   if (threadIdx.x == 0) RecordTimestamp(args.timestamps, kBlockStart);
   const BlockWork work = LocateBlockWork(args, kRows);
-  if (!work.valid) return;
+  if (!work.valid) {
+    // Even a block without work waits for the previous kernel: were none of this grid's blocks
+    // to wait (a step without tree rows, NSPLIT 1), its end would no longer imply the previous
+    // kernel's, which a programmatic dependent launch after it relies on.
+    WaitForPredecessorGrid();
+    return;
+  }
   const int seq = work.seq;
   const int split = work.split;
   const int row0 = work.row0;

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "gtest/gtest.h"
 #include "treeverify/kernels/cuda/device.h"
 
@@ -30,6 +32,7 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   T* get() const { return data_; }
+  int64_t bytes() const { return static_cast<int64_t>(count_ * sizeof(T)); }
   void CopyFrom(const std::vector<T>& host) {
     ASSERT_EQ(host.size(), count_);
     ASSERT_EQ(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice),

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_base.h"
@@ -145,6 +146,23 @@ class Problem {
     p.softmax_scale = scale_;
   }
 
+  // Points the device's entry `page` of sequence `seq` outside the cache (`outside`: at or past
+  // num_pages, or negative), as a caller's bug would, and zeroes that page's rows in the oracle's
+  // cache: the kernels read a page outside the cache as zeros.
+  void MovePageOutsideTheCache(int seq, int page, int32_t outside) {
+    if (device_page_table_.empty()) device_page_table_ = page_table_;
+    const size_t entry = static_cast<size_t>(seq) * max_pages_ + page;
+    const int dims = spec_.latent + spec_.rope;
+    std::fill_n(cache_.begin() + int64_t{page_table_[entry]} * spec_.page_size * dims,
+                spec_.page_size * dims, 0.f);
+    device_page_table_[entry] = outside;
+  }
+
+  int32_t num_pages() const { return num_pages_; }
+  // What the device gets: the oracle's page table unless a page was moved outside the cache.
+  const std::vector<int32_t>& device_page_table() const {
+    return device_page_table_.empty() ? page_table_ : device_page_table_;
+  }
   const BatchSpec& spec() const { return spec_; }
   const std::vector<float>& q() const { return q_; }
   const std::vector<float>& cache() const { return cache_; }
@@ -160,6 +178,7 @@ class Problem {
   float scale_ = 1.f;
   std::vector<int32_t> row_offsets_;
   std::vector<int32_t> page_table_;
+  std::vector<int32_t> device_page_table_;  // empty: page_table_
   std::vector<float> cache_;
   std::vector<float> q_;
   std::vector<uint64_t> masks_;
@@ -172,7 +191,7 @@ class DeviceProblem {
       : problem_(problem),
         q_(problem.q().size()),
         cache_(problem.cache().size()),
-        page_table_(problem.page_table().size()),
+        page_table_(problem.device_page_table().size()),
         committed_(problem.spec().committed.size()),
         row_offsets_(problem.row_offsets().size()),
         masks_(problem.masks().size()),
@@ -180,7 +199,7 @@ class DeviceProblem {
         lse_(problem.LseSize()) {
     q_.CopyFrom(ToBf16(problem.q()));
     cache_.CopyFrom(ToBf16(problem.cache()));
-    page_table_.CopyFrom(problem.page_table());
+    page_table_.CopyFrom(problem.device_page_table());
     committed_.CopyFrom(problem.spec().committed);
     row_offsets_.CopyFrom(problem.row_offsets());
     masks_.CopyFrom(problem.masks());
@@ -298,8 +317,8 @@ class CudaMlaVerifyTest : public CudaTest {
     device.Poison();
     EXPECT_EQ(cudaMemset(workspace.get(), 0xFF, plan.workspace_bytes), cudaSuccess);
     EXPECT_TRUE(PrepareMlaVerifyWorkspace(workspace.get(), plan.workspace_bytes, nullptr).ok());
-    const absl::Status status =
-        MlaVerifyAttention(device.Params(), problem.Shape(), plan, workspace.get(), nullptr);
+    const absl::Status status = MlaVerifyAttention(device.Params(), problem.Shape(), plan,
+                                                   workspace.get(), workspace.bytes(), nullptr);
     EXPECT_TRUE(status.ok()) << status;
     if (plan.merge_in_grid) {
       std::vector<uint32_t> counters(mla::kMaxMergeGroups * 2);
@@ -513,6 +532,36 @@ TEST_F(CudaMlaVerifyTest, OddPageSizesTakeTheMmaKernel) {
   }
 }
 
+// A page index outside the cache (a caller's bug) reads as a page of zeros in every kernel: no
+// fault, which would end every session's work on the device. Pages past the end and negative
+// ones, at page sizes the wgmma kernels (TMA) and the others (row lookups) take.
+TEST_F(CudaMlaVerifyTest, PagesOutsideTheCacheReadZeros) {
+  std::mt19937 rng(15);
+  for (int page_size : {64, 20}) {
+    BatchSpec spec;
+    spec.heads = 8;
+    spec.page_size = page_size;
+    spec.committed = {900, 1500};
+    spec.parents = {RandomTree(9, rng), RandomTree(5, rng)};
+    Problem problem(spec, rng);
+    problem.MovePageOutsideTheCache(0, 2, -1);
+    problem.MovePageOutsideTheCache(1, 5, problem.num_pages() + 7);
+    std::vector<MlaVerifyKernel> kernels = TensorCoreKernels();
+    kernels.push_back(MlaVerifyKernel::kSimt);
+    for (MlaVerifyKernel kernel : kernels) {
+      if (page_size % 8 != 0 &&
+          (kernel == MlaVerifyKernel::kWgmmaNarrow || kernel == MlaVerifyKernel::kWgmmaWide)) {
+        continue;  // their TMA boxes need pages of a multiple of 8 keys
+      }
+      for (int nsplit : {1, 6}) {
+        SCOPED_TRACE(testing::Message() << "page size " << page_size << " kernel "
+                                        << MlaVerifyKernelName(kernel) << " nsplit " << nsplit);
+        RunAndCompare(problem, {.min_split_keys = 64, .forced_nsplit = nsplit, .kernel = kernel});
+      }
+    }
+  }
+}
+
 TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
   std::mt19937 rng(12);
   for (auto [latent, rope] : {std::pair{32, 8}, std::pair{64, 16}}) {
@@ -576,7 +625,8 @@ void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap,
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   auto eager = [&](const MlaVerifyParamsBf16& params) {
     device.Poison();
-    EXPECT_TRUE(MlaVerifyAttention(params, shape, *plan, workspace.get(), stream).ok());
+    EXPECT_TRUE(
+        MlaVerifyAttention(params, shape, *plan, workspace.get(), workspace.bytes(), stream).ok());
     return device.Bytes();
   };
   const std::vector<uint8_t> eager_long = eager(main_params);
@@ -586,7 +636,8 @@ void CudaMlaVerifyTest::CheckGraphReplay(MlaVerifyKernel kernel, bool overlap,
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   for (int i = 0; i < 4; ++i) {
     const MlaVerifyParamsBf16& params = i % 2 == 0 ? other_params : main_params;
-    ASSERT_TRUE(MlaVerifyAttention(params, shape, *plan, workspace.get(), stream).ok());
+    ASSERT_TRUE(
+        MlaVerifyAttention(params, shape, *plan, workspace.get(), workspace.bytes(), stream).ok());
   }
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
@@ -749,15 +800,74 @@ TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
            [](MlaVerifyShape& s) { s.latent_dim = 1024; },
            [](MlaVerifyShape& s) { s.latent_dim = 30; },
            [](MlaVerifyShape& s) { s.page_size = 0; },
+           [](MlaVerifyShape& s) { s.num_seqs = 65536; },  // a grid dimension's limit
+           [](MlaVerifyShape& s) { s.num_heads = 4097; },
+           [](MlaVerifyShape& s) { s.rope_dim = 513; },
        }) {
     MlaVerifyShape shape = good;
     mutate(shape);
     const absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
     EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
   }
-  MlaVerifyParamsBf16 params;  // dims do not match the shape
-  const absl::Status status = MlaVerifyAttention(params, good, MlaVerifyPlan{}, nullptr, nullptr);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+}
+
+// A launch that its plan does not fit is refused before any device work (these run without a
+// GPU: the buffers below are never touched).
+TEST(MlaVerifyShapeTest, LaunchesTheirPlanDoesNotFitAreInvalidArguments) {
+  const MlaVerifyShape shape{.num_seqs = 1,
+                             .max_rows_per_seq = 9,
+                             .row_capacity = 9,
+                             .num_heads = 8,
+                             .latent_dim = 512,
+                             .rope_dim = 64,
+                             .page_size = 64};
+  MlaVerifyPlan plan;  // as the planner makes one for `shape` with two splits
+  plan.shape = shape;
+  plan.blocks = 132;
+  plan.nsplit = 2;
+  plan.workspace_bytes = 4096;
+  auto at = [](uintptr_t address) { return reinterpret_cast<__nv_bfloat16*>(address); };
+  MlaVerifyParamsBf16 params;
+  params.q = at(0x10000);
+  params.kv_cache = at(0x20000);
+  params.page_table = reinterpret_cast<const int32_t*>(0x30000);
+  params.committed_lengths = reinterpret_cast<const int32_t*>(0x40000);
+  params.row_offsets = reinterpret_cast<const int32_t*>(0x50000);
+  params.ancestor_mask = reinterpret_cast<const uint64_t*>(0x60000);
+  params.out = at(0x70000);
+  params.lse = reinterpret_cast<float*>(0x80000);
+  params.num_seqs = 1;
+  params.num_heads = 8;
+  params.latent_dim = 512;
+  params.rope_dim = 64;
+  params.page_size = 64;
+  params.num_pages = 4;
+  params.max_pages_per_seq = 2;
+  void* workspace = reinterpret_cast<void*>(0x100000);
+  auto expect_refused = [&](const MlaVerifyParamsBf16& p, const MlaVerifyShape& s,
+                            const MlaVerifyPlan& pl, void* ws, int64_t ws_bytes,
+                            const std::string& names) {
+    const absl::Status status = MlaVerifyAttention(p, s, pl, ws, ws_bytes, nullptr);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find(names), std::string::npos) << status;
+  };
+  expect_refused(params, shape, MlaVerifyPlan{}, workspace, 4096, "plan each shape");
+  MlaVerifyShape taller = shape;
+  taller.max_rows_per_seq = 17;
+  taller.row_capacity = 17;
+  expect_refused(params, taller, plan, workspace, 4096, "plan each shape");
+  MlaVerifyParamsBf16 other_heads = params;
+  other_heads.num_heads = 16;
+  expect_refused(other_heads, shape, plan, workspace, 4096, "do not match");
+  MlaVerifyParamsBf16 misaligned = params;
+  misaligned.q = at(0x10000 + 2);
+  expect_refused(misaligned, shape, plan, workspace, 4096, "aligned");
+  misaligned = params;
+  misaligned.out = at(0x70000 + 8);
+  expect_refused(misaligned, shape, plan, workspace, 4096, "aligned");
+  expect_refused(params, shape, plan, nullptr, 4096, "workspace");
+  expect_refused(params, shape, plan, workspace, 4095, "workspace");
+  expect_refused(params, shape, plan, reinterpret_cast<void*>(0x100000 + 128), 8192, "workspace");
 }
 
 }  // namespace

@@ -5,9 +5,10 @@
 //   MlaVerifyShape shape{.num_seqs = 1, .max_rows_per_seq = 9, .row_capacity = 9,
 //                        .num_heads = 8, .latent_dim = 512, .rope_dim = 64, .page_size = 64};
 //   absl::StatusOr<MlaVerifyPlan> plan = PlanMlaVerify(shape, device, {});
-//   // workspace: plan->workspace_bytes of device memory, allocated once for the largest plan
+//   // workspace: device memory allocated once, as large as the largest workspace_bytes of the
+//   // plans it serves (not necessarily the largest shape's: fewer splits need less)
 //   PrepareMlaVerifyWorkspace(workspace, workspace_bytes, stream);  // once, after allocating
-//   MlaVerifyAttention(params, shape, *plan, workspace, stream);
+//   MlaVerifyAttention(params, shape, *plan, workspace, workspace_bytes, stream);
 //
 // The plan depends on the shape only, never on the context lengths (they live on the device): each
 // block derives its key range from committed_lengths, so one captured launch serves every step of a
@@ -89,6 +90,8 @@ struct MlaVerifyOptions {
 
 // The planner's choice, reported to metrics.
 struct MlaVerifyPlan {
+  MlaVerifyShape shape;    // planned for: a launch must have the same (row_capacity may differ)
+  int device_ordinal = 0;  // planned on, and launched on: the current device then
   MlaVerifyKernel kernel = MlaVerifyKernel::kSimt;
   int32_t row_tile = 1;  // packed (node, head) rows per block
   int32_t row_tiles = 1;
@@ -121,6 +124,8 @@ struct MlaVerifyPlan {
 // GPU needed.
 int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity);
 
+// Plans on `device`, which must be the current device (FAILED_PRECONDITION otherwise): the kernel
+// images, attributes and occupancy it reads are the current device's.
 absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const DeviceInfo& device,
                                             const MlaVerifyOptions& options);
 
@@ -129,11 +134,15 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
 // Every launch leaves them zeroed, so plans of any shape can share the workspace afterwards.
 absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStream_t stream);
 
-// Runs the plan on `stream`. `workspace` holds at least plan.workspace_bytes (256-byte aligned)
-// and was prepared by PrepareMlaVerifyWorkspace.
-// Invalid shapes are INVALID_ARGUMENT; the device-side inputs (lengths, page table, masks) are
-// trusted as the CPU backend validates them: a page index outside the cache reads zeros.
+// Runs the plan on `stream`, on the device it was planned on. `workspace` holds workspace_bytes
+// (at least plan.workspace_bytes, 256-byte aligned) and was prepared by
+// PrepareMlaVerifyWorkspace. INVALID_ARGUMENT, before any device work: an invalid shape, one the
+// plan was not made for, params that do not match it, unset or misaligned buffers (q, kv_cache and
+// out 16-byte aligned), too small a workspace. The device-side inputs (lengths, page table, masks)
+// are trusted as the CPU backend validates them, except that every kernel reads a page index
+// outside the cache as a page of zeros rather than fault.
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& params, const MlaVerifyShape& shape,
-                                const MlaVerifyPlan& plan, void* workspace, cudaStream_t stream);
+                                const MlaVerifyPlan& plan, void* workspace, int64_t workspace_bytes,
+                                cudaStream_t stream);
 
 }  // namespace treeverify::kernels::cuda
