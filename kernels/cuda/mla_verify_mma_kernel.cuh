@@ -53,8 +53,10 @@ __device__ inline void LoadHalfTile(const MlaVerifyParamsBf16& p, const int32_t*
   const int key = first_key + key_in_half;
   const int32_t page = key < key_end ? page_table[key / p.page_size] : 0;
   const bool valid = key < key_end && PageInCache(p, page);
+  // A zero-filled row reads no bytes, but its address stays inside the cache all the same.
   const __nv_bfloat16* src =
-      p.kv_cache + (static_cast<int64_t>(page) * p.page_size + key % p.page_size) * kMmaDims;
+      valid ? p.kv_cache + (static_cast<int64_t>(page) * p.page_size + key % p.page_size) * kMmaDims
+            : p.kv_cache;
   uint8_t* dst = stage + key_in_half * kMmaRowBytes;
 #pragma unroll
   for (int c = threadIdx.x % 4; c < kMmaDims / 8; c += 4) {
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     MlaVerifyMmaKernel(MlaVerifyParamsBf16 p, PartialLayout partial, int32_t min_split_keys,
                        int32_t row_tiles, bool direct_output) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  extern __shared__ uint8_t smem_raw[];  // 16-byte aligned: all ldmatrix and cp.async need
+  extern __shared__ __align__(16) uint8_t smem_raw[];  // all ldmatrix and cp.async need 16 bytes
   uint8_t* smem = smem_raw;
   AllowDependentGridLaunch();
   WaitForPredecessorGrid();  // the queries and the tree nodes' keys may come from it
@@ -97,8 +99,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   // The row tile's queries (rows past the sequence's zero-filled) and the first half tile.
   {
     const int r = threadIdx.x / 8;
+    const int row = r < valid_rows ? r : 0;  // zero-filled rows: an address inside q all the same
     const __nv_bfloat16* src =
-        p.q + (static_cast<int64_t>(span.row_begin) * heads + row0 + r) * kMmaDims;
+        p.q + (static_cast<int64_t>(span.row_begin) * heads + row0 + row) * kMmaDims;
 #pragma unroll
     for (int c = threadIdx.x % 8; c < kMmaDims / 8; c += 8) {
       mma::CpAsync16(q_smem + r * kMmaRowBytes + c * 16, src + c * 8, r < valid_rows);
