@@ -49,6 +49,9 @@ namespace treeverify::services {
 namespace {
 
 constexpr char kProgram[] = "treeverify-coordinator";
+// On shutdown, how long the server stays up after the engine refuses new work (at most the grace
+// period): long enough for calls already sent to reach a handler.
+constexpr absl::Duration kRefusalWindow = absl::Milliseconds(200);
 
 absl::Status Fail(absl::Status status, absl::string_view context) {
   return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
@@ -112,7 +115,13 @@ absl::Status Run(SignalWaiter& signals) {
     });
     server.SetServing(false);
     rendezvous.Shutdown();
-    if (engine != nullptr) engine->Shutdown();  // refuses new work; queued work completes
+    if (engine != nullptr) {
+      engine->Shutdown();  // refuses new work (UNAVAILABLE); queued work completes
+      // Calls already on their way reach a handler, which answers UNAVAILABLE (retryable). A
+      // call the server has not handed to a handler when it shuts down is answered CANCELLED
+      // instead (grpc/grpc#41785), which clients take for their own cancellation.
+      absl::SleepFor(std::min(grace, kRefusalWindow));
+    }
     server.Shutdown(grace);
     engine.reset();
     drained.Notify();
