@@ -35,8 +35,13 @@ KvCacheOptions MakeOptions(int64_t num_pages, int32_t page_size, int64_t num_lay
   return options;
 }
 
-std::unique_ptr<KvCache> MakeCache(const KvCacheOptions& options) {
-  auto cache = KvCache::Create(options);
+// A cache over host rows; *rows (when asked for) points at them.
+std::unique_ptr<KvCache> MakeCache(const KvCacheOptions& options, CpuKvStorage** rows = nullptr) {
+  auto storage = CpuKvStorage::Create(options);
+  EXPECT_TRUE(storage.ok()) << storage.status();
+  if (!storage.ok()) return nullptr;
+  if (rows != nullptr) *rows = storage->get();
+  auto cache = KvCache::Create(options, std::move(storage).value());
   EXPECT_TRUE(cache.ok()) << cache.status();
   return cache.ok() ? std::move(cache).value() : nullptr;
 }
@@ -55,13 +60,13 @@ float NodeValue(int64_t layer, int64_t node, int64_t element) {
          static_cast<float>(element) + 0.5f;
 }
 
-void WriteRow(KvCache& cache, int64_t layer, int64_t slot, const std::vector<float>& row) {
-  std::copy(row.begin(), row.end(), cache.layer_data(layer) + slot * cache.options().row_dim);
+void WriteRow(CpuKvStorage& rows, int64_t layer, int64_t slot, const std::vector<float>& row) {
+  std::copy(row.begin(), row.end(), rows.layer_data(layer) + slot * rows.options().row_dim);
 }
 
-std::vector<float> ReadRow(const KvCache& cache, int64_t layer, int64_t slot) {
-  const int64_t row_dim = cache.options().row_dim;
-  const float* row = cache.layer_data(layer) + slot * row_dim;
+std::vector<float> ReadRow(const CpuKvStorage& rows, int64_t layer, int64_t slot) {
+  const int64_t row_dim = rows.options().row_dim;
+  const float* row = rows.layer_data(layer) + slot * row_dim;
   return std::vector<float>(row, row + row_dim);
 }
 
@@ -99,19 +104,33 @@ TEST(KvCacheOptionsTest, ValidateNamesTheBadField) {
     const absl::Status status = c.options.Validate();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
-    EXPECT_EQ(KvCache::Create(c.options).status().code(), absl::StatusCode::kInvalidArgument)
+    EXPECT_EQ(CpuKvStorage::Create(c.options).status().code(), absl::StatusCode::kInvalidArgument)
         << c.field;
   }
   EXPECT_TRUE(MakeOptions(1, 4096).Validate().ok());
 }
 
+TEST(KvCacheTest, RefusesRowStorageOfAnotherShape) {
+  const KvCacheOptions options = MakeOptions(8, 4, 2, 3);
+  EXPECT_EQ(KvCache::Create(options, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  for (const KvCacheOptions& other : {MakeOptions(9, 4, 2, 3), MakeOptions(8, 2, 2, 3),
+                                      MakeOptions(8, 4, 3, 3), MakeOptions(8, 4, 2, 5)}) {
+    auto storage = CpuKvStorage::Create(other);
+    ASSERT_TRUE(storage.ok()) << storage.status();
+    const absl::Status status = KvCache::Create(options, std::move(storage).value()).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(status.message()), HasSubstr("the row storage holds"));
+  }
+}
+
 TEST(KvCacheTest, FreshCacheIsZeroAndEmpty) {
-  auto cache = MakeCache(MakeOptions(5, 4, 3, 7));
+  CpuKvStorage* rows = nullptr;
+  auto cache = MakeCache(MakeOptions(5, 4, 3, 7), &rows);
   ASSERT_NE(cache, nullptr);
   EXPECT_EQ(cache->free_pages(), 5);
   EXPECT_EQ(cache->used_pages(), 0);
   for (int64_t layer = 0; layer < 3; ++layer) {
-    const float* data = cache->layer_data(layer);
+    const float* data = rows->layer_data(layer);
     EXPECT_TRUE(std::all_of(data, data + 5 * 4 * 7, [](float x) { return x == 0.0f; }));
   }
   EXPECT_FALSE(cache->Contains(42));
@@ -162,7 +181,8 @@ TEST(KvCacheTest, CommitCompactsAcceptedRowsInEveryLayer) {
   const int32_t ps = 4;
   const int64_t layers = 3;
   const int64_t row_dim = 5;
-  auto cache = MakeCache(MakeOptions(8, ps, layers, row_dim));
+  CpuKvStorage* rows = nullptr;
+  auto cache = MakeCache(MakeOptions(8, ps, layers, row_dim), &rows);
   ASSERT_NE(cache, nullptr);
   const uint64_t seq = 7;
 
@@ -173,7 +193,7 @@ TEST(KvCacheTest, CommitCompactsAcceptedRowsInEveryLayer) {
     for (int64_t node = 0; node < 6; ++node) {
       std::vector<float> row(row_dim);
       for (int64_t e = 0; e < row_dim; ++e) row[e] = -NodeValue(layer, node, e);
-      WriteRow(*cache, layer, prefix_slots[node], row);
+      WriteRow(*rows, layer, prefix_slots[node], row);
     }
   }
   ASSERT_TRUE(cache->Commit(seq, AllNodes(6)).ok());
@@ -187,7 +207,7 @@ TEST(KvCacheTest, CommitCompactsAcceptedRowsInEveryLayer) {
     for (int64_t node = 0; node < 10; ++node) {
       std::vector<float> row(row_dim);
       for (int64_t e = 0; e < row_dim; ++e) row[e] = NodeValue(layer, node, e);
-      WriteRow(*cache, layer, slots[node], row);
+      WriteRow(*rows, layer, slots[node], row);
     }
   }
 
@@ -200,13 +220,13 @@ TEST(KvCacheTest, CommitCompactsAcceptedRowsInEveryLayer) {
     for (int64_t pos = 0; pos < 6; ++pos) {
       std::vector<float> expected(row_dim);
       for (int64_t e = 0; e < row_dim; ++e) expected[e] = -NodeValue(layer, pos, e);
-      EXPECT_EQ(ReadRow(*cache, layer, SlotAt(*cache, seq, pos)), expected)
+      EXPECT_EQ(ReadRow(*rows, layer, SlotAt(*cache, seq, pos)), expected)
           << "layer " << layer << " prefix position " << pos;
     }
     for (size_t k = 0; k < accepted.size(); ++k) {
       std::vector<float> expected(row_dim);
       for (int64_t e = 0; e < row_dim; ++e) expected[e] = NodeValue(layer, accepted[k], e);
-      EXPECT_EQ(ReadRow(*cache, layer, SlotAt(*cache, seq, 6 + k)), expected)
+      EXPECT_EQ(ReadRow(*rows, layer, SlotAt(*cache, seq, 6 + k)), expected)
           << "layer " << layer << " accepted index " << k;
     }
   }
@@ -304,7 +324,8 @@ TEST(KvCacheTest, FullCacheFailsOnlyTheSequenceThatAsked) {
   const int32_t ps = 4;
   const int64_t layers = 2;
   const int64_t row_dim = 3;
-  auto cache = MakeCache(MakeOptions(8, ps, layers, row_dim));
+  CpuKvStorage* rows = nullptr;
+  auto cache = MakeCache(MakeOptions(8, ps, layers, row_dim), &rows);
   ASSERT_NE(cache, nullptr);
   const uint64_t a = 0x1111;
   const uint64_t b = 0x2222;
@@ -318,11 +339,11 @@ TEST(KvCacheTest, FullCacheFailsOnlyTheSequenceThatAsked) {
   ASSERT_EQ(cache->free_pages(), 2);
   // Fill the whole pool with distinct values so any stray write shows up.
   for (int64_t layer = 0; layer < layers; ++layer) {
-    float* data = cache->layer_data(layer);
+    float* data = rows->layer_data(layer);
     for (int64_t i = 0; i < 8 * ps * row_dim; ++i) data[i] = static_cast<float>(layer * 1e5 + i);
   }
-  const std::vector<float> storage_before(cache->layer_data(0),
-                                          cache->layer_data(0) + layers * 8 * ps * row_dim);
+  const std::vector<float> storage_before(rows->layer_data(0),
+                                          rows->layer_data(0) + layers * 8 * ps * row_dim);
   const std::vector<int32_t> pages_a = cache->page_table(a);
   const std::vector<int32_t> pages_b = cache->page_table(b);
   const std::vector<int64_t> slots_a = cache->SegmentSlots(a);
@@ -353,8 +374,8 @@ TEST(KvCacheTest, FullCacheFailsOnlyTheSequenceThatAsked) {
   EXPECT_FALSE(cache->Contains(c));
   EXPECT_EQ(cache->free_pages(), 2);
 
-  const std::vector<float> storage_after(cache->layer_data(0),
-                                         cache->layer_data(0) + layers * 8 * ps * row_dim);
+  const std::vector<float> storage_after(rows->layer_data(0),
+                                         rows->layer_data(0) + layers * 8 * ps * row_dim);
   EXPECT_EQ(storage_after, storage_before);
 
   // Exactly what is left still fits.
@@ -379,7 +400,8 @@ TEST(KvCacheTest, RandomOperationsMatchAReferenceModel) {
     const int64_t layers = 2;
     const int64_t row_dim = 2;
     const int64_t num_pages = 192 / ps;
-    auto cache = MakeCache(MakeOptions(num_pages, ps, layers, row_dim));
+    CpuKvStorage* rows = nullptr;
+    auto cache = MakeCache(MakeOptions(num_pages, ps, layers, row_dim), &rows);
     ASSERT_NE(cache, nullptr);
     // Ranks replay the same requests and must pick the same pages: a twin sees every call too.
     auto twin = MakeCache(MakeOptions(num_pages, ps, layers, row_dim));
@@ -425,7 +447,7 @@ TEST(KvCacheTest, RandomOperationsMatchAReferenceModel) {
             for (int64_t node = 0; node < count; ++node) {
               std::vector<float> row(row_dim);
               for (float& x : row) x = value(rng);
-              WriteRow(*cache, layer, slots[node], row);
+              WriteRow(*rows, layer, slots[node], row);
               sequence.segment[layer].push_back(row);
             }
           }
@@ -494,13 +516,13 @@ TEST(KvCacheTest, RandomOperationsMatchAReferenceModel) {
         const std::vector<int64_t> slots = cache->SegmentSlots(id);
         for (int64_t layer = 0; layer < layers; ++layer) {
           for (int64_t pos = 0; pos < committed; ++pos) {
-            ASSERT_EQ(ReadRow(*cache, layer, SlotAt(*cache, id, pos)),
+            ASSERT_EQ(ReadRow(*rows, layer, SlotAt(*cache, id, pos)),
                       sequence.committed[layer][pos])
                 << "sequence " << id << " layer " << layer << " position " << pos;
           }
           for (size_t node = 0; node < slots.size(); ++node) {
             ASSERT_EQ(slots[node], SlotAt(*cache, id, committed + static_cast<int64_t>(node)));
-            ASSERT_EQ(ReadRow(*cache, layer, slots[node]), sequence.segment[layer][node])
+            ASSERT_EQ(ReadRow(*rows, layer, slots[node]), sequence.segment[layer][node])
                 << "sequence " << id << " layer " << layer << " node " << node;
           }
         }

@@ -2,69 +2,34 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
-#include <limits>
 #include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "treeverify/kernels/kv_cache_ops.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::worker {
-namespace {
 
-// The product of non-negative factors, or false when it does not fit in int64_t.
-bool CheckedProduct(std::initializer_list<int64_t> factors, int64_t* product) {
-  int64_t result = 1;
-  for (int64_t factor : factors) {
-    if (__builtin_mul_overflow(result, factor, &result)) return false;
-  }
-  *product = result;
-  return true;
-}
-
-}  // namespace
-
-absl::Status KvCacheOptions::Validate() const {
-  // Page ids travel as int32 in page tables (and to the attention kernels).
-  if (num_pages <= 0 || num_pages > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KvCacheOptions.num_pages must be in [1, 2147483647], got ", num_pages));
-  }
-  if (page_size < 1 || page_size > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KvCacheOptions.page_size must be in [1, 4096], got ", page_size));
-  }
-  if (num_layers <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KvCacheOptions.num_layers must be positive, got ", num_layers));
-  }
-  if (row_dim <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KvCacheOptions.row_dim must be positive, got ", row_dim));
-  }
-  int64_t total_floats = 0;
-  if (!CheckedProduct({num_layers, num_pages, int64_t{page_size}, row_dim}, &total_floats) ||
-      static_cast<uint64_t>(total_floats) > std::vector<float>().max_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KvCacheOptions: num_layers x num_pages x page_size x row_dim (", num_layers, " x ",
-        num_pages, " x ", page_size, " x ", row_dim, ") floats overflows the addressable size"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options) {
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheOptions& options,
+                                                         std::unique_ptr<KvStorage> storage) {
   TV_RETURN_IF_ERROR(options.Validate());
-  return std::unique_ptr<KvCache>(new KvCache(options));
+  if (storage == nullptr) return absl::InvalidArgumentError("KvCache::Create: no row storage");
+  const KvCacheOptions& held = storage->options();
+  if (held.num_pages != options.num_pages || held.page_size != options.page_size ||
+      held.num_layers != options.num_layers || held.row_dim != options.row_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KvCache::Create: the row storage holds ", held.num_layers, " layers x ",
+                     held.num_pages, " pages x ", held.page_size, " rows x ", held.row_dim,
+                     " values, the cache wants ", options.num_layers, " x ", options.num_pages,
+                     " x ", options.page_size, " x ", options.row_dim));
+  }
+  return std::unique_ptr<KvCache>(new KvCache(options, std::move(storage)));
 }
 
-KvCache::KvCache(const KvCacheOptions& options)
-    : options_(options),
-      layer_elements_(options.num_pages * options.page_size * options.row_dim),
-      storage_(static_cast<size_t>(options.num_layers * layer_elements_), 0.0f) {
+KvCache::KvCache(const KvCacheOptions& options, std::unique_ptr<KvStorage> storage)
+    : options_(options), storage_(std::move(storage)) {
   // The free list is a stack. Lowest ids on top, so a fresh cache hands out pages 0, 1, 2, ...;
   // every rank replays the same requests and so makes the same choices.
   free_list_.reserve(options.num_pages);
@@ -180,8 +145,7 @@ absl::Status KvCache::Commit(uint64_t seq_id, absl::Span<const int32_t> accepted
   }
 
   // Node accepted_nodes[k] moves to position committed + k. Ascending indices mean
-  // accepted_nodes[k] >= k, so copying in order k = 0, 1, ... never overwrites a row that is
-  // still to be read.
+  // accepted_nodes[k] >= k: no move reads a row an earlier move wrote, as MoveRows requires.
   const int64_t committed = sequence.committed_length;
   std::vector<int64_t> src_slots, dst_slots;
   for (size_t k = 0; k < accepted_nodes.size(); ++k) {
@@ -190,15 +154,7 @@ absl::Status KvCache::Commit(uint64_t seq_id, absl::Span<const int32_t> accepted
     src_slots.push_back(SlotOf(sequence, committed + node));
     dst_slots.push_back(SlotOf(sequence, committed + static_cast<int64_t>(k)));
   }
-  for (int64_t layer = 0; !src_slots.empty() && layer < options_.num_layers; ++layer) {
-    TV_RETURN_IF_ERROR(
-        kernels::cpu::KvCopy({.src_slots = src_slots.data(),
-                              .dst_slots = dst_slots.data(),
-                              .cache = layer_data(layer),
-                              .count = static_cast<int64_t>(src_slots.size()),
-                              .row_dim = options_.row_dim,
-                              .num_slots = options_.num_pages * options_.page_size}));
-  }
+  if (!src_slots.empty()) TV_RETURN_IF_ERROR(storage_->MoveRows(src_slots, dst_slots));
   sequence.committed_length += static_cast<int64_t>(accepted_nodes.size());
   sequence.segment_length = 0;
   ShrinkTo(sequence, sequence.committed_length);

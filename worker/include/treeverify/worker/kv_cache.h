@@ -1,5 +1,7 @@
 // The paged latent KV cache of one rank: one 576-wide row (latent + rope) per token per layer,
-// in pages of page_size rows that all layers allocate together.
+// in pages of page_size rows that all layers allocate together. This class is the bookkeeping
+// (pages, page tables, committed lengths), on the host for every backend; the rows live in its
+// KvStorage (host or device memory), which applies the row moves of a commit.
 //
 // A sequence has a committed prefix (positions [0, committed_length)) and, during a step, a
 // segment of new rows right after it (tree nodes or a prefill chunk). Commit keeps the accepted
@@ -18,20 +20,15 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "treeverify/worker/kv_storage.h"
 
 namespace treeverify::worker {
 
-struct KvCacheOptions {
-  int64_t num_pages = 0;
-  int32_t page_size = 64;
-  int64_t num_layers = 0;
-  int64_t row_dim = 0;  // kv_lora_rank + qk_rope_head_dim
-  absl::Status Validate() const;
-};
-
 class KvCache {
  public:
-  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheOptions& options);
+  // The storage must hold rows of exactly this shape.
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheOptions& options,
+                                                         std::unique_ptr<KvStorage> storage);
 
   const KvCacheOptions& options() const { return options_; }
   bool Contains(uint64_t seq_id) const { return sequences_.contains(seq_id); }
@@ -54,10 +51,6 @@ class KvCache {
   // Frees all pages of the sequence and forgets it. NOT_FOUND for an unknown id.
   absl::Status Release(uint64_t seq_id);
 
-  // One layer's rows: [num_pages * page_size, row_dim].
-  float* layer_data(int64_t layer) { return storage_.data() + layer * layer_elements_; }
-  const float* layer_data(int64_t layer) const { return storage_.data() + layer * layer_elements_; }
-
   int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
   int64_t used_pages() const { return options_.num_pages - free_pages(); }
 
@@ -67,7 +60,7 @@ class KvCache {
     int64_t segment_length = 0;
     std::vector<int32_t> pages;
   };
-  explicit KvCache(const KvCacheOptions& options);
+  KvCache(const KvCacheOptions& options, std::unique_ptr<KvStorage> storage);
   int64_t PagesFor(int64_t rows) const;
   // Global slot of a position of the sequence; the position must lie in its pages.
   int64_t SlotOf(const Sequence& sequence, int64_t position) const;
@@ -75,8 +68,7 @@ class KvCache {
   void ShrinkTo(Sequence& sequence, int64_t rows);
 
   KvCacheOptions options_;
-  int64_t layer_elements_ = 0;
-  std::vector<float> storage_;
+  std::unique_ptr<KvStorage> storage_;
   std::vector<int32_t> free_list_;
   std::unordered_map<uint64_t, Sequence> sequences_;
 };

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/lm_head_summary.h"
 #include "treeverify/worker/communicator.h"
+#include "treeverify/worker/forward_backend.h"
 #include "treeverify/worker/kv_cache.h"
 #include "treeverify/worker/model_config.h"
 #include "treeverify/worker/model_weights.h"
@@ -40,15 +41,6 @@ struct ModelRunnerOptions {
   int64_t kv_pages = 1024;
 
   absl::Status Validate() const;
-};
-
-// How a sequence samples its next tokens. Node i's sampled token is the one for absolute
-// position committed_length + depth(i) + 1 (the position of the token node i predicts), so a
-// tree node samples exactly what the same node computed in a chain samples.
-struct SegmentSampling {
-  float temperature = 0.0f;  // 0: greedy only, no sampled fields in the summaries
-  uint64_t seed = 0;
-  int32_t candidates = 0;  // per node, this shard's largest logits (top-k / top-p), at most 1024
 };
 
 struct SegmentInput {
@@ -111,27 +103,20 @@ class ModelRunner {
   absl::Status Release(uint64_t sequence_id);
 
  private:
-  struct Batch;
   ModelRunner(std::unique_ptr<ModelWeights> weights, std::unique_ptr<KvCache> kv_cache,
-              Communicator* communicator);
+              std::unique_ptr<ForwardBackend> backend);
   absl::Status CheckCommitIsAPath(uint64_t id, absl::Span<const int32_t> nodes) const;
-  absl::Status PrepareSegment(const SegmentInput& input, SegmentOutput& output, Batch& batch);
-  absl::Status RunLayers(Batch& batch, std::vector<float>& hidden);
-  absl::Status Summarize(const ForwardRequest& request, const Batch& batch,
-                         const std::vector<float>& logits, ForwardResult& result);
-  absl::Status Attention(int64_t layer, Batch& batch, const std::vector<float>& normed,
-                         std::vector<float>& out);
-  absl::Status Mlp(int64_t layer, Batch& batch, const std::vector<float>& normed,
-                   std::vector<float>& out);
+  absl::Status PrepareSegment(const SegmentInput& input, SegmentOutput& output, BatchInputs& batch);
+  void Distribute(const ForwardRequest& request, const std::vector<size_t>& segment_of_sequence,
+                  const BatchInputs& batch, ForwardOutputs& outputs, ForwardResult& result) const;
 
   std::unique_ptr<ModelWeights> weights_;
+  // The backend reads the weights and writes the cache's rows: declared after both, so it goes
+  // first.
   std::unique_ptr<KvCache> kv_cache_;
+  std::unique_ptr<ForwardBackend> backend_;
   // Parents of each sequence's uncommitted segment: a commit must follow one of its paths.
   absl::flat_hash_map<uint64_t, std::vector<int32_t>> segment_parents_;
-  Communicator* communicator_;
-  std::vector<float> rope_inv_freq_;
-  float rope_attention_factor_ = 1.0f;
-  float softmax_scale_ = 1.0f;
 };
 
 }  // namespace treeverify::worker

@@ -1,0 +1,49 @@
+// The forward on the CPU, in fp32: the oracle for every other backend. Batch invariant (a row's
+// result does not depend on what else is in the batch, DESIGN.md), so a tree node computes
+// exactly what the same node computes in a chain.
+//
+//   TV_ASSIGN_OR_RETURN(auto backend, CpuForward::Create(*weights, *cpu_rows, communicator));
+//   TV_RETURN_IF_ERROR(backend->Run(inputs, outputs));
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "treeverify/worker/communicator.h"
+#include "treeverify/worker/forward_backend.h"
+#include "treeverify/worker/kv_storage.h"
+#include "treeverify/worker/model_weights.h"
+
+namespace treeverify::worker {
+
+class CpuForward final : public ForwardBackend {
+ public:
+  // weights, kv_rows and communicator must outlive the backend; kv_rows must have the model's
+  // layers and row width.
+  static absl::StatusOr<std::unique_ptr<CpuForward>> Create(const ModelWeights& weights,
+                                                            CpuKvStorage& kv_rows,
+                                                            Communicator* communicator);
+
+  absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) override;
+
+ private:
+  CpuForward(const ModelWeights& weights, CpuKvStorage& kv_rows, Communicator* communicator);
+  absl::Status RunLayers(const BatchInputs& batch, std::vector<float>& hidden,
+                         ForwardOutputs& outputs);
+  absl::Status Attention(int64_t layer, const BatchInputs& batch, const std::vector<float>& normed,
+                         std::vector<float>& out);
+  absl::Status Mlp(int64_t layer, const BatchInputs& batch, const std::vector<float>& normed,
+                   std::vector<float>& out);
+  absl::Status Summarize(const BatchInputs& batch, const std::vector<float>& logits,
+                         ForwardOutputs& outputs);
+
+  const ModelWeights& weights_;
+  CpuKvStorage& kv_rows_;
+  Communicator* communicator_;
+  std::vector<float> rope_inv_freq_;
+  float rope_attention_factor_ = 1.0f;
+  float softmax_scale_ = 1.0f;
+};
+
+}  // namespace treeverify::worker
