@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "simd.h"
+#include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cpu {
 namespace {
@@ -64,6 +65,19 @@ TileFn TileFor(int rows, int cols) {
 }  // namespace
 
 absl::Status Gemm(const GemmParams& p) {
+  if (p.batch < 1) return absl::InvalidArgumentError(absl::StrCat("Gemm: batch ", p.batch));
+  if (p.batch > 1) {
+    // One product at a time: each is the batch-1 product of its own operands.
+    for (int64_t b = 0; b < p.batch; ++b) {
+      GemmParams one = p;
+      one.batch = 1;
+      one.x = p.x == nullptr ? nullptr : p.x + b * p.x_batch_stride;
+      one.weight = p.weight == nullptr ? nullptr : p.weight + b * p.weight_batch_stride;
+      one.y = p.y == nullptr ? nullptr : p.y + b * p.y_batch_stride;
+      TV_RETURN_IF_ERROR(Gemm(one));
+    }
+    return absl::OkStatus();
+  }
   if (p.m < 0 || p.n <= 0 || p.k <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("Gemm: need m >= 0, n > 0, k > 0; got m=", p.m, " n=", p.n, " k=", p.k));

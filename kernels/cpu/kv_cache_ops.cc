@@ -32,14 +32,16 @@ absl::Status KvAppend(const KvAppendParams& params) {
   if (params.slots == nullptr) return absl::InvalidArgumentError("KvAppend: slots is null");
   if (params.cache == nullptr) return absl::InvalidArgumentError("KvAppend: cache is null");
   for (int64_t i = 0; i < params.count; ++i) {
-    if (params.slots[i] < 0 || params.slots[i] >= params.num_slots) {
+    if (params.slots[i] >= params.num_slots) {
       return absl::InvalidArgumentError(absl::StrCat("KvAppend: slots[", i, "] = ", params.slots[i],
-                                                     " is outside [0, ", params.num_slots, ")"));
+                                                     " is not below num_slots (", params.num_slots,
+                                                     ")"));
     }
   }
 
   const size_t row_bytes = static_cast<size_t>(row_dim) * sizeof(float);
   for (int64_t i = 0; i < params.count; ++i) {
+    if (params.slots[i] < 0) continue;  // a padding row
     // memmove: the source rows may themselves live in the cache.
     std::memmove(params.cache + params.slots[i] * row_dim, params.rows + i * row_stride, row_bytes);
   }
@@ -54,6 +56,13 @@ absl::Status KvCopy(const KvCopyParams& params) {
   if (params.count < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("KvCopy: count must be >= 0, got ", params.count));
+  }
+  const int64_t layer_stride =
+      params.layer_stride == 0 ? params.num_slots * row_dim : params.layer_stride;
+  if (params.num_layers < 1 || layer_stride < params.num_slots * row_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KvCopy: need num_layers >= 1 and layer_stride >= num_slots * row_dim; got ",
+                     params.num_layers, " layers ", layer_stride, " apart"));
   }
   if (params.count == 0) return absl::OkStatus();
   if (params.src_slots == nullptr) return absl::InvalidArgumentError("KvCopy: src_slots is null");
@@ -73,10 +82,13 @@ absl::Status KvCopy(const KvCopyParams& params) {
   }
 
   const size_t row_bytes = static_cast<size_t>(row_dim) * sizeof(float);
-  for (int64_t i = 0; i < params.count; ++i) {
-    if (params.src_slots[i] == params.dst_slots[i]) continue;
-    std::memmove(params.cache + params.dst_slots[i] * row_dim,
-                 params.cache + params.src_slots[i] * row_dim, row_bytes);
+  for (int64_t layer = 0; layer < params.num_layers; ++layer) {
+    float* cache = params.cache + layer * layer_stride;
+    for (int64_t i = 0; i < params.count; ++i) {
+      if (params.src_slots[i] == params.dst_slots[i]) continue;
+      std::memmove(cache + params.dst_slots[i] * row_dim, cache + params.src_slots[i] * row_dim,
+                   row_bytes);
+    }
   }
   return absl::OkStatus();
 }

@@ -64,6 +64,12 @@ absl::Status RmsNorm(const RmsNormParams& params) {
   if (params.input == nullptr) return absl::InvalidArgumentError("RmsNorm: input is null");
   if (params.weight == nullptr) return absl::InvalidArgumentError("RmsNorm: weight is null");
   if (params.output == nullptr) return absl::InvalidArgumentError("RmsNorm: output is null");
+  if ((params.add == nullptr) != (params.sum == nullptr)) {
+    return absl::InvalidArgumentError("RmsNorm: a residual add needs both add and sum");
+  }
+  if (params.add != nullptr && params.output == params.input) {
+    return absl::InvalidArgumentError("RmsNorm: with a residual add, output must not be input");
+  }
   // In place is supported row by row; with different strides rows would overlap across threads.
   if (params.input == params.output && input_stride != output_stride) {
     return absl::InvalidArgumentError(
@@ -79,6 +85,13 @@ absl::Status RmsNorm(const RmsNormParams& params) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = params.input + r * input_stride;
     float* y = params.output + r * output_stride;
+    if (params.add != nullptr) {
+      // The residual add, element by element in fp32, then the sum is the row normalized.
+      const float* add = params.add + r * input_stride;
+      float* sum = params.sum + r * input_stride;
+      for (int64_t i = 0; i < dim; ++i) sum[i] = x[i] + add[i];
+      x = sum;
+    }
     const double mean_square = SumOfSquares(x, dim) / static_cast<double>(dim);
     const float inv_rms = static_cast<float>(1.0 / std::sqrt(mean_square + eps));
     // As transformers: weight * (x * rsqrt(var + eps)), two fp32 products. Reading x[i] before

@@ -38,6 +38,18 @@ absl::Status Rope(const RopeParams& params) {
                                                    rope_dim, ") when heads > 1, got ",
                                                    params.head_stride));
   }
+  const int64_t input_row_stride =
+      params.input_row_stride == 0 ? params.row_stride : params.input_row_stride;
+  const int64_t input_head_stride =
+      params.input_head_stride == 0 ? params.head_stride : params.input_head_stride;
+  if (params.input != nullptr && heads > 1 && input_head_stride < rope_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("Rope: input_head_stride must be >= rope_dim (",
+                                                   rope_dim, "), got ", input_head_stride));
+  }
+  if (params.input != nullptr && input_row_stride < (heads - 1) * input_head_stride + rope_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Rope: input_row_stride ", input_row_stride, " is smaller than a row"));
+  }
   const int64_t row_span = (heads - 1) * params.head_stride + rope_dim;
   if (params.row_stride < row_span) {
     return absl::InvalidArgumentError(
@@ -80,11 +92,14 @@ absl::Status Rope(const RopeParams& params) {
       const int64_t second_offset = params.interleaved ? 1 : half;
       for (int64_t h = 0; h < heads; ++h) {
         float* x = params.x + r * params.row_stride + h * params.head_stride;
+        const float* in = params.input == nullptr
+                              ? x
+                              : params.input + r * input_row_stride + h * input_head_stride;
         for (int64_t i = 0; i < half; ++i) {
           float* first = x + i * first_step;
           float* second = first + second_offset;
-          const float x1 = *first;
-          const float x2 = *second;
+          const float x1 = in[i * first_step];
+          const float x2 = in[i * first_step + second_offset];
           const float c = cos_values[i];
           const float s = sin_values[i];
           *first = x1 * c - x2 * s;

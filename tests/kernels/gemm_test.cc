@@ -88,6 +88,43 @@ TEST(GemmTest, RowsAreBitIdenticalWhateverTheBatch) {
   for (int i = 0; i < m; ++i) EXPECT_EQ(column[i], batched[size_t(i) * n + 5]);
 }
 
+TEST(GemmTest, BatchedProductsEqualOneAtATime) {
+  std::mt19937 rng(11);
+  const int m = 3, n = 5, k = 7, batch = 4;
+  // Per product: x rows 2 * k apart inside a batch stride; weights packed; y interleaved.
+  const std::vector<float> x = Random(size_t(batch) * m * 2 * k, rng);
+  const std::vector<float> w = Random(size_t(batch) * n * k, rng);
+  std::vector<float> y(size_t(m) * batch * n, -7.0f);
+  ASSERT_TRUE(cpu::Gemm({.x = x.data(),
+                         .weight = w.data(),
+                         .y = y.data(),
+                         .m = m,
+                         .n = n,
+                         .k = k,
+                         .x_stride = 2 * k,
+                         .y_stride = batch * n,
+                         .batch = batch,
+                         .x_batch_stride = m * 2 * k,
+                         .weight_batch_stride = n * k,
+                         .y_batch_stride = n})
+                  .ok());
+  for (int b = 0; b < batch; ++b) {
+    std::vector<float> one(size_t(m) * n);
+    ASSERT_TRUE(cpu::Gemm({.x = x.data() + b * m * 2 * k,
+                           .weight = w.data() + b * n * k,
+                           .y = one.data(),
+                           .m = m,
+                           .n = n,
+                           .k = k,
+                           .x_stride = 2 * k})
+                    .ok());
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j)
+        ASSERT_EQ(y[size_t(i) * batch * n + b * n + j], one[size_t(i) * n + j])
+            << "product " << b << " row " << i << " col " << j;
+  }
+}
+
 TEST(GemmTest, HonoursStrides) {
   std::mt19937 rng(7);
   const int m = 5, n = 6, k = 9, x_stride = 13, y_stride = 11;

@@ -8,15 +8,18 @@
 
 namespace treeverify::kernels {
 
-struct EmbeddingParams {
+// Table and Output: fp32 on the CPU (EmbeddingParams); bf16 table, fp32 rows on the GPU.
+template <typename Table, typename Output>
+struct EmbeddingParamsOf {
   const int32_t* token_ids = nullptr;  // [tokens]
-  const float* table = nullptr;        // [vocab_end - vocab_begin, hidden]
-  float* out = nullptr;                // [tokens, hidden]
+  const Table* table = nullptr;        // [vocab_end - vocab_begin, hidden]
+  Output* out = nullptr;               // [tokens, hidden]
   int64_t tokens = 0;
   int64_t hidden = 0;
   int32_t vocab_begin = 0;
   int32_t vocab_end = 0;
 };
+using EmbeddingParams = EmbeddingParamsOf<float, float>;
 
 namespace cpu {
 absl::Status Embedding(const EmbeddingParams& params);

@@ -4,6 +4,10 @@
 // same order whatever m is (BLAS libraries switch kernels with m, e.g. to GEMV at m = 1, which
 // changes the last bits). Row r of y depends only on row r of x.
 //
+// With batch > 1, batch independent products at the given strides (the absorbed MLA projections:
+// one per head). Element types: fp32 on the CPU (GemmParams); bf16 x and weight with fp32
+// accumulation and a bf16 or fp32 y on the GPU (cuda/gemm.h).
+//
 //   kernels::GemmParams p{.x = h, .weight = w_q, .y = q, .m = tokens, .n = 192, .k = 64};
 //   TV_RETURN_IF_ERROR(kernels::cpu::Gemm(p));
 #pragma once
@@ -14,17 +18,24 @@
 
 namespace treeverify::kernels {
 
-struct GemmParams {
-  const float* x = nullptr;       // [m, k], rows x_stride elements apart
-  const float* weight = nullptr;  // [n, k], row-major (rows weight_stride elements apart)
-  float* y = nullptr;             // [m, n], rows y_stride elements apart
+template <typename Input, typename Weight, typename Output>
+struct GemmParamsOf {
+  const Input* x = nullptr;        // [batch][m, k], rows x_stride elements apart
+  const Weight* weight = nullptr;  // [batch][n, k], row-major (rows weight_stride elements apart)
+  Output* y = nullptr;             // [batch][m, n], rows y_stride elements apart
   int64_t m = 0;
   int64_t n = 0;
   int64_t k = 0;
   int64_t x_stride = 0;       // 0 means k
   int64_t weight_stride = 0;  // 0 means k
   int64_t y_stride = 0;       // 0 means n
+  int64_t batch = 1;
+  // Elements between consecutive products' x, weight and y (used when batch > 1).
+  int64_t x_batch_stride = 0;
+  int64_t weight_batch_stride = 0;
+  int64_t y_batch_stride = 0;
 };
+using GemmParams = GemmParamsOf<float, float, float>;
 
 namespace cpu {
 absl::Status Gemm(const GemmParams& params);
