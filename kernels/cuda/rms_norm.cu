@@ -3,25 +3,39 @@
 #include "treeverify/kernels/cuda/rms_norm.h"
 
 namespace treeverify::kernels::cuda {
+namespace {
 
-absl::Status RmsNorm(const RmsNormParams& p, cudaStream_t stream) {
+template <typename Input, typename Weight, typename Output>
+absl::Status Launch(const RmsNormParamsOf<Input, Weight, Output>& p, cudaStream_t stream) {
   const int64_t input_stride = p.input_stride ? p.input_stride : p.dim;
   const int64_t output_stride = p.output_stride ? p.output_stride : p.dim;
-  if (p.rows < 0 || p.dim <= 0 || input_stride < p.dim || output_stride < p.dim) {
+  if (p.rows < 0 || p.rows > 0x7fffffff || p.dim <= 0 || input_stride < p.dim ||
+      output_stride < p.dim || !(p.eps >= 0.0f)) {
     return absl::InvalidArgumentError(absl::StrCat("cuda::RmsNorm: rows=", p.rows, " dim=", p.dim,
-                                                   " strides=", input_stride, "/", output_stride));
+                                                   " strides=", input_stride, "/", output_stride,
+                                                   " eps=", p.eps));
+  }
+  if ((p.add == nullptr) != (p.sum == nullptr)) {
+    return absl::InvalidArgumentError("cuda::RmsNorm: a residual add needs both add and sum");
   }
   if (p.rows == 0) return absl::OkStatus();
   if (p.input == nullptr || p.weight == nullptr || p.output == nullptr) {
     return absl::InvalidArgumentError("cuda::RmsNorm: input, weight and output must be non-null");
   }
-  if (p.rows > 0x7fffffff) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda::RmsNorm: ", p.rows, " rows"));
-  }
   constexpr int kThreads = 256;
   RmsNormKernel<kThreads><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(
-      p.input, p.weight, p.output, p.dim, input_stride, output_stride, p.eps);
+      p.input, p.add, p.sum, p.weight, p.output, p.dim, input_stride, output_stride, p.eps);
   return CudaStatus(cudaGetLastError(), "RmsNormKernel launch");
+}
+
+}  // namespace
+
+absl::Status RmsNorm(const RmsNormParams& params, cudaStream_t stream) {
+  return Launch(params, stream);
+}
+
+absl::Status RmsNorm(const RmsNormParamsOf<float, Bf16, Bf16>& params, cudaStream_t stream) {
+  return Launch(params, stream);
 }
 
 }  // namespace treeverify::kernels::cuda

@@ -54,8 +54,10 @@ TEST_F(CudaRmsNormTest, MatchesTheCpuBackend) {
 
 // Parameter checks happen before any CUDA call, so they run without a GPU too.
 TEST(CudaRmsNormParamsTest, RejectsBadShapes) {
-  EXPECT_EQ(RmsNorm({.rows = 1, .dim = 0}, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RmsNorm({.rows = 1, .dim = 4}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNorm(RmsNormParams{.rows = 1, .dim = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNorm(RmsNormParams{.rows = 1, .dim = 4}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,23 @@
+// Loads and stores of the element types the small ops take (fp32, bf16), through fp32: every op
+// computes in fp32 whatever it reads and writes.
+#pragma once
+
+#include <cuda_bf16.h>
+
+namespace treeverify::kernels::cuda {
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,61 @@
+// Dense GEMMs on the GPU through cuBLASLt, with the CPU backend's params struct: bf16 x and
+// weight, fp32 accumulation, bf16 or fp32 y; batch > 1 runs the strided batch (the absorbed MLA
+// projections, one product per head).
+//
+// The algorithm for a shape (m, n, k, strides, batch, output type, pointer alignments) is chosen
+// once, by cuBLASLt's heuristic, and kept: every later call of that shape, eager or captured in
+// a CUDA graph, runs the same algorithm, so a graph replays the bytes an eager launch computes.
+// cuBLASLt's split-K reductions go through the workspace, never atomics.
+//
+//   TV_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemm, GemmRunner::Create());
+//   TV_RETURN_IF_ERROR(gemm->Run({.x = x, .weight = w, .y = y, .m = 16, .n = 1536, .k = 7168},
+//                                stream));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "absl/status/statusor.h"
+#include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/gemm.h"
+
+namespace treeverify::kernels::cuda {
+
+class GemmRunner {
+ public:
+  // Allocates the workspace on the current device. Every Run uses it, so Runs on different
+  // streams must be ordered (the forward runs on one stream).
+  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(int64_t workspace_bytes = 32 << 20);
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+
+  absl::Status Run(const GemmParamsOf<Bf16, Bf16, Bf16>& params, cudaStream_t stream);
+  absl::Status Run(const GemmParamsOf<Bf16, Bf16, float>& params, cudaStream_t stream);
+
+  // Shapes planned so far (each holds its descriptors and chosen algorithm).
+  int64_t planned_shapes() const;
+
+ private:
+  struct Plan;
+  // m, n, k, x/weight/y strides, batch, batch strides, fp32 output, x/weight/y alignment.
+  using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, bool, int, int, int>;
+  GemmRunner(void* handle, void* workspace, int64_t workspace_bytes);
+  template <typename Output>
+  absl::Status RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& params, cudaStream_t stream);
+  absl::StatusOr<const Plan*> PlanFor(const ShapeKey& key);
+
+  void* handle_;  // cublasLtHandle_t, kept opaque so this header needs no cuBLAS include
+  void* workspace_;
+  int64_t workspace_bytes_;
+  mutable std::mutex mutex_;
+  std::map<ShapeKey, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace treeverify::kernels::cuda

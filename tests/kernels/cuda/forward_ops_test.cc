@@ -1,0 +1,436 @@
+// The forward's small ops and GEMMs on the GPU against the CPU backend (the oracle), on random
+// inputs of odd sizes. Inputs are rounded to bf16 on the host first, so the CPU op sees exactly
+// the values the GPU reads; the outputs then differ by the output's bf16 rounding (relative
+// 2^-8) and fp32 summation order, which the tolerances allow and nothing larger.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda_test_base.h"
+#include "gtest/gtest.h"
+#include "treeverify/kernels/cuda/activation.h"
+#include "treeverify/kernels/cuda/embedding.h"
+#include "treeverify/kernels/cuda/gemm.h"
+#include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/rms_norm.h"
+#include "treeverify/kernels/cuda/rope.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+std::vector<float> Random(std::mt19937& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> values(n);
+  for (float& v : values) v = normal(rng);
+  return values;
+}
+
+// Rounds to bf16 and back: the values a bf16 buffer holds.
+std::vector<float> RoundToBf16(std::vector<float> values) {
+  for (float& v : values) v = __bfloat162float(__float2bfloat16_rn(v));
+  return values;
+}
+
+std::vector<Bf16> ToBf16(const std::vector<float>& values) {
+  std::vector<Bf16> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = __float2bfloat16_rn(values[i]);
+  return out;
+}
+
+std::vector<float> ToFloat(const std::vector<Bf16>& values) {
+  std::vector<float> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = __bfloat162float(values[i]);
+  return out;
+}
+
+// |actual - expected| <= relative * |expected| + absolute, element by element.
+void ExpectClose(const std::vector<float>& actual, const std::vector<float>& expected,
+                 float relative, float absolute, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_NEAR(actual[i], expected[i], relative * std::abs(expected[i]) + absolute)
+        << what << ", element " << i;
+  }
+}
+
+// bf16 keeps 8 significant bits: a correctly rounded output is within 2^-9 relative; 2^-8 leaves
+// room for fp32 summation-order differences before the rounding.
+constexpr float kBf16Relative = 1.0f / 256;
+
+class CudaForwardOpsTest : public CudaTest {};
+
+TEST_F(CudaForwardOpsTest, EmbeddingMatchesTheCpuBackend) {
+  const unsigned seed = 501;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t hidden = 733, vocab_begin = 100, vocab_end = 119;
+  const std::vector<float> table = RoundToBf16(Random(rng, (vocab_end - vocab_begin) * hidden));
+  const std::vector<int32_t> ids = {100, 118, 5, 107, 119, 100, 2000};  // some outside the shard
+  std::vector<float> expected(ids.size() * hidden);
+  ASSERT_TRUE(cpu::Embedding({.token_ids = ids.data(),
+                              .table = table.data(),
+                              .out = expected.data(),
+                              .tokens = static_cast<int64_t>(ids.size()),
+                              .hidden = hidden,
+                              .vocab_begin = vocab_begin,
+                              .vocab_end = vocab_end})
+                  .ok());
+  DeviceBuffer<int32_t> d_ids(ids.size());
+  DeviceBuffer<Bf16> d_table(table.size());
+  DeviceBuffer<float> d_out(expected.size());
+  d_ids.CopyFrom(ids);
+  d_table.CopyFrom(ToBf16(table));
+  ASSERT_TRUE(Embedding({.token_ids = d_ids.get(),
+                         .table = d_table.get(),
+                         .out = d_out.get(),
+                         .tokens = static_cast<int64_t>(ids.size()),
+                         .hidden = hidden,
+                         .vocab_begin = vocab_begin,
+                         .vocab_end = vocab_end},
+                        nullptr)
+                  .ok());
+  EXPECT_EQ(d_out.ToHost(), expected);  // a bf16 value is exact in fp32
+}
+
+TEST_F(CudaForwardOpsTest, RmsNormWithResidualAddMatchesTheCpuBackend) {
+  const unsigned seed = 502;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (int64_t rows : {1, 3, 19}) {
+    for (int64_t dim : {7, 512, 1536, 7168}) {
+      const std::vector<float> residual = Random(rng, rows * dim, 2.0f);
+      const std::vector<float> branch = Random(rng, rows * dim, 0.5f);
+      std::vector<float> weight = RoundToBf16(Random(rng, dim, 0.1f));
+      for (float& w : weight) w = __bfloat162float(__float2bfloat16_rn(w + 1.0f));
+      std::vector<float> sum_expected = residual, normed_expected(rows * dim);
+      ASSERT_TRUE(cpu::RmsNorm({.input = residual.data(),
+                                .weight = weight.data(),
+                                .output = normed_expected.data(),
+                                .rows = rows,
+                                .dim = dim,
+                                .add = branch.data(),
+                                .sum = sum_expected.data()})
+                      .ok());
+      DeviceBuffer<float> d_residual(residual.size()), d_branch(branch.size());
+      DeviceBuffer<Bf16> d_weight(dim), d_normed(rows * dim);
+      d_residual.CopyFrom(residual);
+      d_branch.CopyFrom(branch);
+      d_weight.CopyFrom(ToBf16(weight));
+      ASSERT_TRUE(RmsNorm({.input = d_residual.get(),
+                           .weight = d_weight.get(),
+                           .output = d_normed.get(),
+                           .rows = rows,
+                           .dim = dim,
+                           .add = d_branch.get(),
+                           .sum = d_residual.get()},
+                          nullptr)
+                      .ok());
+      const std::string what = testing::PrintToString(rows) + " x " + std::to_string(dim);
+      // The sum is one fp32 add either side: identical.
+      EXPECT_EQ(d_residual.ToHost(), sum_expected) << what;
+      ExpectClose(ToFloat(d_normed.ToHost()), normed_expected, kBf16Relative, 1e-6f, what);
+    }
+  }
+}
+
+TEST_F(CudaForwardOpsTest, LatentRmsNormOnStridedRowsMatchesTheCpuBackend) {
+  const unsigned seed = 503;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t rows = 5, dim = 512, stride = 576;  // kv_a's latent part, into a cache row
+  const std::vector<float> kv_a = Random(rng, rows * stride, 3.0f);
+  const std::vector<float> weight = RoundToBf16(Random(rng, dim, 1.0f));
+  std::vector<float> expected(rows * stride, 0.0f);
+  ASSERT_TRUE(cpu::RmsNorm({.input = kv_a.data(),
+                            .weight = weight.data(),
+                            .output = expected.data(),
+                            .rows = rows,
+                            .dim = dim,
+                            .input_stride = stride,
+                            .output_stride = stride})
+                  .ok());
+  DeviceBuffer<float> d_kv_a(kv_a.size());
+  DeviceBuffer<Bf16> d_weight(dim), d_out(rows * stride);
+  d_kv_a.CopyFrom(kv_a);
+  d_weight.CopyFrom(ToBf16(weight));
+  ASSERT_EQ(cudaMemset(d_out.get(), 0, d_out.bytes()), cudaSuccess);
+  ASSERT_TRUE(RmsNorm({.input = d_kv_a.get(),
+                       .weight = d_weight.get(),
+                       .output = d_out.get(),
+                       .rows = rows,
+                       .dim = dim,
+                       .input_stride = stride,
+                       .output_stride = stride},
+                      nullptr)
+                  .ok());
+  // The rope columns past dim stay untouched (zero).
+  ExpectClose(ToFloat(d_out.ToHost()), expected, kBf16Relative, 1e-6f, "latent norm");
+}
+
+std::vector<float> InvFreq(int64_t rope_dim) {
+  std::vector<float> inv_freq(rope_dim / 2);
+  for (int64_t i = 0; i < rope_dim / 2; ++i) {
+    inv_freq[i] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / rope_dim));
+  }
+  return inv_freq;
+}
+
+TEST_F(CudaForwardOpsTest, RopeBothFormsMatchTheCpuBackend) {
+  const unsigned seed = 504;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t rows = 7, heads = 3, rope_dim = 64, q_head = 192, q_attn_head = 576;
+  const std::vector<float> inv_freq = InvFreq(rope_dim);
+  std::vector<int32_t> positions(rows);
+  for (int32_t& p : positions) p = std::uniform_int_distribution<int32_t>(0, 160000)(rng);
+  DeviceBuffer<float> d_inv_freq(inv_freq.size());
+  DeviceBuffer<int32_t> d_positions(rows);
+  d_inv_freq.CopyFrom(inv_freq);
+  d_positions.CopyFrom(positions);
+  for (bool interleaved : {true, false}) {
+    SCOPED_TRACE(interleaved ? "interleaved" : "rotate_half");
+    // q: q_pe at [128, 192) of each 192-wide head, into [512, 576) of each absorbed head.
+    const std::vector<float> q = RoundToBf16(Random(rng, rows * heads * q_head));
+    std::vector<float> expected(rows * heads * q_attn_head, 0.0f);
+    const RopeParams q_form{.x = expected.data() + 512,
+                            .positions = positions.data(),
+                            .inv_freq = inv_freq.data(),
+                            .rows = rows,
+                            .heads = heads,
+                            .rope_dim = rope_dim,
+                            .row_stride = heads * q_attn_head,
+                            .head_stride = q_attn_head,
+                            .attention_factor = 1.3f,
+                            .interleaved = interleaved,
+                            .input = q.data() + 128,
+                            .input_row_stride = heads * q_head,
+                            .input_head_stride = q_head};
+    ASSERT_TRUE(cpu::Rope(q_form).ok());
+    DeviceBuffer<Bf16> d_q(q.size()), d_q_attn(expected.size());
+    d_q.CopyFrom(ToBf16(q));
+    ASSERT_EQ(cudaMemset(d_q_attn.get(), 0, d_q_attn.bytes()), cudaSuccess);
+    RopeParamsOf<Bf16, Bf16> gpu_q{.x = d_q_attn.get() + 512,
+                                   .positions = d_positions.get(),
+                                   .inv_freq = d_inv_freq.get(),
+                                   .rows = rows,
+                                   .heads = heads,
+                                   .rope_dim = rope_dim,
+                                   .row_stride = heads * q_attn_head,
+                                   .head_stride = q_attn_head,
+                                   .attention_factor = 1.3f,
+                                   .interleaved = interleaved,
+                                   .input = d_q.get() + 128,
+                                   .input_row_stride = heads * q_head,
+                                   .input_head_stride = q_head};
+    ASSERT_TRUE(Rope(gpu_q, nullptr).ok());
+    ExpectClose(ToFloat(d_q_attn.ToHost()), expected, kBf16Relative, 1e-6f, "q_pe");
+
+    // k: the fp32 kv_a row's [512, 576) into the bf16 cache row's.
+    const std::vector<float> kv_a = Random(rng, rows * 576, 2.0f);
+    std::vector<float> k_expected(rows * 576, 0.0f);
+    ASSERT_TRUE(cpu::Rope({.x = k_expected.data() + 512,
+                           .positions = positions.data(),
+                           .inv_freq = inv_freq.data(),
+                           .rows = rows,
+                           .heads = 1,
+                           .rope_dim = rope_dim,
+                           .row_stride = 576,
+                           .head_stride = 576,
+                           .attention_factor = 1.3f,
+                           .interleaved = interleaved,
+                           .input = kv_a.data() + 512})
+                    .ok());
+    DeviceBuffer<float> d_kv_a(kv_a.size());
+    DeviceBuffer<Bf16> d_row(rows * 576);
+    d_kv_a.CopyFrom(kv_a);
+    ASSERT_EQ(cudaMemset(d_row.get(), 0, d_row.bytes()), cudaSuccess);
+    ASSERT_TRUE(Rope(RopeParamsOf<float, Bf16>{.x = d_row.get() + 512,
+                                               .positions = d_positions.get(),
+                                               .inv_freq = d_inv_freq.get(),
+                                               .rows = rows,
+                                               .heads = 1,
+                                               .rope_dim = rope_dim,
+                                               .row_stride = 576,
+                                               .head_stride = 576,
+                                               .attention_factor = 1.3f,
+                                               .interleaved = interleaved,
+                                               .input = d_kv_a.get() + 512},
+                     nullptr)
+                    .ok());
+    ExpectClose(ToFloat(d_row.ToHost()), k_expected, kBf16Relative, 1e-6f, "k_pe");
+  }
+}
+
+TEST_F(CudaForwardOpsTest, SiluMulMatchesTheCpuBackend) {
+  const unsigned seed = 505;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t rows = 19, dim = 733;
+  std::vector<float> gate_up = Random(rng, rows * 2 * dim, 4.0f);
+  gate_up[0] = -200.0f;  // exp overflows: -0, not NaN
+  std::vector<float> expected(rows * dim);
+  ASSERT_TRUE(
+      cpu::SiluMul({.gate_up = gate_up.data(), .out = expected.data(), .rows = rows, .dim = dim})
+          .ok());
+  DeviceBuffer<float> d_gate_up(gate_up.size());
+  DeviceBuffer<Bf16> d_out(expected.size());
+  d_gate_up.CopyFrom(gate_up);
+  ASSERT_TRUE(
+      SiluMul({.gate_up = d_gate_up.get(), .out = d_out.get(), .rows = rows, .dim = dim}, nullptr)
+          .ok());
+  ExpectClose(ToFloat(d_out.ToHost()), expected, kBf16Relative, 1e-6f, "silu_mul");
+}
+
+TEST_F(CudaForwardOpsTest, KvAppendAndCopyMatchTheCpuBackend) {
+  const unsigned seed = 506;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t row_dim = 576, num_slots = 40, layers = 3;
+  std::vector<float> cache = RoundToBf16(Random(rng, layers * num_slots * row_dim));
+  const std::vector<float> rows = RoundToBf16(Random(rng, 5 * row_dim));
+  // Padding rows (negative slots) and, on the GPU, an out-of-range slot write nothing.
+  const std::vector<int64_t> slots = {7, -1, 30, 8, -5};
+  // A compaction: nodes at 10, 12, 13 accepted onto 9, 10, 11 (10 is read before it is written).
+  const std::vector<int64_t> src = {10, 12, 13}, dst = {9, 10, 11};
+  std::vector<float> expected = cache;
+  ASSERT_TRUE(cpu::KvAppend({.rows = rows.data(),
+                             .slots = slots.data(),
+                             .cache = expected.data() + row_dim * num_slots,  // layer 1
+                             .count = 5,
+                             .row_dim = row_dim,
+                             .num_slots = num_slots})
+                  .ok());
+  ASSERT_TRUE(cpu::KvCopy({.src_slots = src.data(),
+                           .dst_slots = dst.data(),
+                           .cache = expected.data(),
+                           .count = 3,
+                           .row_dim = row_dim,
+                           .num_slots = num_slots,
+                           .num_layers = layers})
+                  .ok());
+  DeviceBuffer<Bf16> d_cache(cache.size()), d_rows(rows.size());
+  DeviceBuffer<int64_t> d_slots(slots.size()), d_src(3), d_dst(3);
+  d_cache.CopyFrom(ToBf16(cache));
+  d_rows.CopyFrom(ToBf16(rows));
+  d_slots.CopyFrom(slots);
+  d_src.CopyFrom(src);
+  d_dst.CopyFrom(dst);
+  ASSERT_TRUE(KvAppend({.rows = d_rows.get(),
+                        .slots = d_slots.get(),
+                        .cache = d_cache.get() + row_dim * num_slots,
+                        .count = 5,
+                        .row_dim = row_dim,
+                        .num_slots = num_slots},
+                       nullptr)
+                  .ok());
+  ASSERT_TRUE(KvCopy({.src_slots = d_src.get(),
+                      .dst_slots = d_dst.get(),
+                      .cache = d_cache.get(),
+                      .count = 3,
+                      .row_dim = row_dim,
+                      .num_slots = num_slots,
+                      .num_layers = layers},
+                     nullptr)
+                  .ok());
+  EXPECT_EQ(ToFloat(d_cache.ToHost()), expected);
+}
+
+struct GemmCase {
+  int64_t m, n, k, batch;
+};
+
+template <typename Output>
+void CheckGemm(GemmRunner& gemm, const GemmCase& c, std::mt19937& rng) {
+  // Operands strided inside wider rows, products interleaved in y (the absorbed projections).
+  const int64_t x_stride = c.k + 8, y_stride = c.batch * c.n;
+  const std::vector<float> x = RoundToBf16(Random(rng, c.batch * c.m * x_stride));
+  const std::vector<float> w = RoundToBf16(Random(rng, c.batch * c.n * c.k, 0.05f));
+  std::vector<float> expected(c.m * y_stride);
+  const GemmParams cpu_params{.x = x.data(),
+                              .weight = w.data(),
+                              .y = expected.data(),
+                              .m = c.m,
+                              .n = c.n,
+                              .k = c.k,
+                              .x_stride = x_stride,
+                              .y_stride = y_stride,
+                              .batch = c.batch,
+                              .x_batch_stride = c.m * x_stride,
+                              .weight_batch_stride = c.n * c.k,
+                              .y_batch_stride = c.n};
+  ASSERT_TRUE(cpu::Gemm(cpu_params).ok());
+  DeviceBuffer<Bf16> d_x(x.size()), d_w(w.size());
+  DeviceBuffer<Output> d_y(expected.size());
+  d_x.CopyFrom(ToBf16(x));
+  d_w.CopyFrom(ToBf16(w));
+  GemmParamsOf<Bf16, Bf16, Output> params{.x = d_x.get(),
+                                          .weight = d_w.get(),
+                                          .y = d_y.get(),
+                                          .m = c.m,
+                                          .n = c.n,
+                                          .k = c.k,
+                                          .x_stride = x_stride,
+                                          .y_stride = y_stride,
+                                          .batch = c.batch,
+                                          .x_batch_stride = c.m * x_stride,
+                                          .weight_batch_stride = c.n * c.k,
+                                          .y_batch_stride = c.n};
+  ASSERT_TRUE(gemm.Run(params, nullptr).ok());
+  std::vector<float> actual;
+  if constexpr (std::is_same_v<Output, float>) {
+    actual = d_y.ToHost();
+  } else {
+    actual = ToFloat(d_y.ToHost());
+  }
+  // fp32 accumulation in another order: relative to the magnitude of the terms, sqrt(k) * 0.05.
+  const float absolute = 1e-5f * std::sqrt(static_cast<float>(c.k));
+  const float relative = std::is_same_v<Output, float> ? 1e-5f : kBf16Relative;
+  ExpectClose(actual, expected, relative, absolute,
+              testing::PrintToString(std::vector<int64_t>{c.m, c.n, c.k, c.batch}));
+  // A second run of the same shape reuses the plan and gives the same bytes.
+  const std::vector<Output> first = d_y.ToHost();
+  ASSERT_TRUE(gemm.Run(params, nullptr).ok());
+  EXPECT_EQ(0, std::memcmp(first.data(), d_y.ToHost().data(), first.size() * sizeof(Output)));
+}
+
+TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
+  const unsigned seed = 507;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create();
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  for (const GemmCase& c :
+       {GemmCase{1, 1536, 7168, 1}, GemmCase{3, 19, 733, 1}, GemmCase{16, 576, 512, 1},
+        GemmCase{9, 512, 128, 8}, GemmCase{19, 128, 512, 3}}) {
+    CheckGemm<float>(**gemm, c, rng);
+    CheckGemm<Bf16>(**gemm, c, rng);
+  }
+  EXPECT_EQ((*gemm)->planned_shapes(), 10);
+}
+
+// Parameter checks happen before any CUDA call, so they run without a GPU too.
+TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
+  EXPECT_EQ(Embedding({.tokens = 1, .hidden = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNorm(RmsNormParamsOf<float, Bf16, Bf16>{.rows = 1, .dim = 4}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  float sum = 0.0f;
+  EXPECT_EQ(
+      RmsNorm(RmsNormParamsOf<float, Bf16, Bf16>{.rows = 1, .dim = 4, .sum = &sum}, nullptr).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rope(RopeParamsOf<Bf16, Bf16>{.rows = 1, .rope_dim = 3}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rope(RopeParamsOf<float, Bf16>{.rows = 1, .rope_dim = 1024}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SiluMul({.rows = -1, .dim = 4}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvAppend({.count = 1, .row_dim = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCopy({.count = 1, .row_dim = 4, .num_slots = 2, .num_layers = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace treeverify::kernels::cuda
