@@ -24,9 +24,8 @@ __global__ void SiluMulKernel(const float* __restrict__ gate_up, Bf16* __restric
 
 absl::Status SiluMul(const SiluMulParamsOf<float, Bf16>& p, cudaStream_t stream) {
   if (p.dim <= 0 || p.rows < 0 || p.rows > 0x7fffffff) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda::SiluMul: need dim > 0 and 0 <= rows < 2^31; got rows=", p.rows,
-                     " dim=", p.dim));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::SiluMul: need dim > 0 and 0 <= rows < 2^31; got rows=", p.rows, " dim=", p.dim));
   }
   if (p.rows == 0) return absl::OkStatus();
   if (p.gate_up == nullptr || p.out == nullptr) {

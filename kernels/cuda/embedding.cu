@@ -26,8 +26,8 @@ absl::Status Embedding(const EmbeddingParamsOf<Bf16, float>& p, cudaStream_t str
   if (p.hidden <= 0 || p.tokens < 0 || p.tokens > 0x7fffffff || p.vocab_begin < 0 ||
       p.vocab_end <= p.vocab_begin) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cuda::Embedding: hidden=", p.hidden, " tokens=", p.tokens, " vocab [", p.vocab_begin,
-        ", ", p.vocab_end, "): need hidden > 0, 0 <= tokens < 2^31, 0 <= begin < end"));
+        "cuda::Embedding: hidden=", p.hidden, " tokens=", p.tokens, " vocab [", p.vocab_begin, ", ",
+        p.vocab_end, "): need hidden > 0, 0 <= tokens < 2^31, 0 <= begin < end"));
   }
   if (p.tokens == 0) return absl::OkStatus();
   if (p.token_ids == nullptr || p.table == nullptr || p.out == nullptr) {

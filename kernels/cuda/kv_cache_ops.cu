@@ -37,9 +37,8 @@ __global__ void KvCopyKernel(const int64_t* __restrict__ src_slots,
 absl::Status KvAppend(const KvAppendParamsOf<Bf16>& p, cudaStream_t stream) {
   const int64_t row_stride = p.row_stride ? p.row_stride : p.row_dim;
   if (p.row_dim <= 0 || p.count < 0 || p.count > 0x7fffffff || row_stride < p.row_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda::KvAppend: count=", p.count,
-                                                   " row_dim=", p.row_dim,
-                                                   " row_stride=", row_stride));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::KvAppend: count=", p.count, " row_dim=", p.row_dim, " row_stride=", row_stride));
   }
   if (p.count == 0) return absl::OkStatus();
   if (p.rows == nullptr || p.slots == nullptr || p.cache == nullptr) {

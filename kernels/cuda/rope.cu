@@ -20,10 +20,10 @@ __global__ void RopeKernel(RopeParamsOf<Input, Output> p, int64_t input_row_stri
   const float position = static_cast<float>(p.positions[r]);
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
     const float angle = __fmul_rn(position, p.inv_freq[i]);
-    cos_values[i] = __fmul_rn(static_cast<float>(cos(static_cast<double>(angle))),
-                              p.attention_factor);
-    sin_values[i] = __fmul_rn(static_cast<float>(sin(static_cast<double>(angle))),
-                              p.attention_factor);
+    cos_values[i] =
+        __fmul_rn(static_cast<float>(cos(static_cast<double>(angle))), p.attention_factor);
+    sin_values[i] =
+        __fmul_rn(static_cast<float>(sin(static_cast<double>(angle))), p.attention_factor);
   }
   __syncthreads();
   // Interleaved pairs sit at (2i, 2i+1); rotate_half pairs at (i, i + d/2).
@@ -60,11 +60,11 @@ absl::Status Launch(const RopeParamsOf<Input, Output>& p, cudaStream_t stream) {
       p.row_stride < (p.heads - 1) * p.head_stride + p.rope_dim ||
       input_row_stride < (p.heads - 1) * input_head_stride + p.rope_dim ||
       !isfinite(p.attention_factor)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda::Rope: rows=", p.rows, " heads=", p.heads, " rope_dim=", p.rope_dim,
-        " (even, at most ", kMaxRopeDim, ") row/head strides ", p.row_stride, "/", p.head_stride,
-        " input strides ", input_row_stride, "/", input_head_stride,
-        " attention_factor=", p.attention_factor));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::Rope: rows=", p.rows, " heads=", p.heads, " rope_dim=", p.rope_dim,
+                     " (even, at most ", kMaxRopeDim, ") row/head strides ", p.row_stride, "/",
+                     p.head_stride, " input strides ", input_row_stride, "/", input_head_stride,
+                     " attention_factor=", p.attention_factor));
   }
   if (p.rows == 0) return absl::OkStatus();
   if (p.x == nullptr || p.positions == nullptr || p.inv_freq == nullptr) {

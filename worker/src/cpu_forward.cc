@@ -18,9 +18,6 @@ namespace treeverify::worker {
 
 namespace cpu = kernels::cpu;
 
-// transformers builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps.
-constexpr float kLatentNormEps = 1e-6f;
-
 absl::StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const ModelWeights& weights,
                                                                CpuKvStorage& kv_rows,
                                                                Communicator* communicator) {
@@ -34,6 +31,15 @@ absl::StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const ModelWeight
   }
   if (communicator == nullptr) return absl::InvalidArgumentError("CpuForward: no communicator");
   return std::unique_ptr<CpuForward>(new CpuForward(weights, kv_rows, communicator));
+}
+
+absl::StatusOr<ForwardParts> MakeCpuForward(const ModelWeights& weights,
+                                            const KvCacheOptions& cache,
+                                            Communicator* communicator) {
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<CpuKvStorage> rows, CpuKvStorage::Create(cache));
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<CpuForward> backend,
+                      CpuForward::Create(weights, *rows, communicator));
+  return ForwardParts{.kv_rows = std::move(rows), .backend = std::move(backend)};
 }
 
 CpuForward::CpuForward(const ModelWeights& weights, CpuKvStorage& kv_rows,
@@ -76,35 +82,9 @@ absl::Status CpuForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) 
                                 .m = rows,
                                 .n = vocab_shard,
                                 .k = hidden_size}));
-  TV_RETURN_IF_ERROR(Summarize(batch, logits, outputs));
+  TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
+                                     static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
   if (batch.return_logits) outputs.logits = std::move(logits);
-  return absl::OkStatus();
-}
-
-// Each sequence has its own sampling parameters, so the summary runs once per sequence; a row's
-// summary depends only on its own logits and position, so this changes no result.
-absl::Status CpuForward::Summarize(const BatchInputs& batch, const std::vector<float>& logits,
-                                   ForwardOutputs& outputs) {
-  const int64_t vocab_shard = weights_.plan.vocab.size();
-  outputs.summaries.resize(batch.rows());
-  outputs.candidates.resize(batch.sequences());
-  for (int32_t s = 0; s < batch.sequences(); ++s) {
-    const SegmentSampling& sampling = batch.sampling[s];
-    const int64_t begin = batch.row_offsets[s];
-    const int64_t end = batch.row_offsets[s + 1];
-    outputs.candidates[s].resize((end - begin) * sampling.candidates);
-    TV_RETURN_IF_ERROR(
-        cpu::LmHeadSummary({.logits = logits.data() + begin * vocab_shard,
-                            .out = outputs.summaries.data() + begin,
-                            .rows = end - begin,
-                            .vocab_shard = vocab_shard,
-                            .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
-                            .temperature = sampling.temperature,
-                            .seed = sampling.seed,
-                            .positions = batch.sample_positions.data() + begin,
-                            .num_candidates = sampling.candidates,
-                            .candidates = outputs.candidates[s].data()}));
-  }
   return absl::OkStatus();
 }
 

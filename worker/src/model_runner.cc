@@ -46,14 +46,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const std::stri
   cache_options.page_size = options.kv_page_size;
   cache_options.num_layers = config.num_hidden_layers;
   cache_options.row_dim = config.kv_row_dim();
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<CpuKvStorage> kv_rows, CpuKvStorage::Create(cache_options));
-  CpuKvStorage& cpu_rows = *kv_rows;
+  const ForwardFactory& factory =
+      options.forward_factory ? options.forward_factory : ForwardFactory(MakeCpuForward);
+  TV_ASSIGN_OR_RETURN(ForwardParts parts, factory(*weights, cache_options, communicator));
   TV_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache,
-                      KvCache::Create(cache_options, std::move(kv_rows)));
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<ForwardBackend> backend,
-                      CpuForward::Create(*weights, cpu_rows, communicator));
+                      KvCache::Create(cache_options, std::move(parts.kv_rows)));
   return std::unique_ptr<ModelRunner>(
-      new ModelRunner(std::move(weights), std::move(cache), std::move(backend)));
+      new ModelRunner(std::move(weights), std::move(cache), std::move(parts.backend)));
 }
 
 ModelRunner::ModelRunner(std::unique_ptr<ModelWeights> weights, std::unique_ptr<KvCache> kv_cache,

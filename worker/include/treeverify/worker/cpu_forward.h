@@ -17,6 +17,11 @@
 
 namespace treeverify::worker {
 
+// The factory ModelRunner uses unless told otherwise: host rows and a CpuForward over them.
+absl::StatusOr<ForwardParts> MakeCpuForward(const ModelWeights& weights,
+                                            const KvCacheOptions& cache,
+                                            Communicator* communicator);
+
 class CpuForward final : public ForwardBackend {
  public:
   // weights, kv_rows and communicator must outlive the backend; kv_rows must have the model's
@@ -35,8 +40,6 @@ class CpuForward final : public ForwardBackend {
                          std::vector<float>& out);
   absl::Status Mlp(int64_t layer, const BatchInputs& batch, const std::vector<float>& normed,
                    std::vector<float>& out);
-  absl::Status Summarize(const BatchInputs& batch, const std::vector<float>& logits,
-                         ForwardOutputs& outputs);
 
   const ModelWeights& weights_;
   CpuKvStorage& kv_rows_;

@@ -11,10 +11,15 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "treeverify/kernels/lm_head_summary.h"
+#include "treeverify/worker/communicator.h"
+#include "treeverify/worker/kv_storage.h"
+#include "treeverify/worker/model_weights.h"
 
 namespace treeverify::worker {
 
@@ -68,5 +73,20 @@ class ForwardBackend {
   // batch: per-sequence problems were refused before the inputs were built.
   virtual absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) = 0;
 };
+
+// A backend and the storage of the KV rows it reads and writes: KvCache owns the storage, the
+// runner owns both and destroys the backend first.
+struct ForwardParts {
+  std::unique_ptr<KvStorage> kv_rows;
+  std::unique_ptr<ForwardBackend> backend;
+};
+// Makes the parts for a model's weights (which outlive them), a cache shape and a communicator.
+using ForwardFactory = std::function<absl::StatusOr<ForwardParts>(
+    const ModelWeights& weights, const KvCacheOptions& cache, Communicator* communicator)>;
+
+// The per-sequence summaries of logits [rows, vocab shard] in host memory (outputs.summaries and
+// outputs.candidates), each sequence with its own sampling parameters.
+absl::Status SummarizeLogits(const BatchInputs& batch, const float* logits, int64_t vocab_shard,
+                             int32_t vocab_begin, ForwardOutputs& outputs);
 
 }  // namespace treeverify::worker

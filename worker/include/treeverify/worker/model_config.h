@@ -20,6 +20,9 @@
 
 namespace treeverify::worker {
 
+// transformers builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps.
+inline constexpr float kLatentNormEps = 1e-6f;
+
 enum class Architecture { kDeepseekV2, kDeepseekV3 };
 
 struct YarnScaling {

@@ -39,6 +39,9 @@ struct ModelRunnerOptions {
   ExpertSharding expert_sharding = ExpertSharding::kSplitInside;
   int32_t kv_page_size = 64;
   int64_t kv_pages = 1024;
+  // Where the forward runs: empty means the CPU backend (MakeCpuForward); MakeCudaForward
+  // (cuda_forward.h, in treeverify::worker_cuda) runs it on a GPU.
+  ForwardFactory forward_factory;
 
   absl::Status Validate() const;
 };

@@ -1,0 +1,122 @@
+// The forward on one GPU: the CPU backend's graph (the same ops and params structs) in bf16
+// weights and activations with fp32 accumulation, an fp32 residual stream and fp32 logits
+// (docs/gpu-worker-plan.md, "Data types"). Not batch invariant: compared with the CPU backend by
+// teacher forcing with the margin rule.
+//
+//   ModelRunnerOptions options;
+//   options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
+//     return MakeCudaForward(w, c, k, {.device_ordinal = 0});
+//   };
+//
+// Still to come (issue 5): MoE layers (refused for now), the fused LM-head summary (the logits
+// are copied to the host and summarized there), CUDA graphs, NCCL (with W > 1 the all-reduces
+// go through the host communicator).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "treeverify/kernels/cuda/device.h"
+#include "treeverify/kernels/cuda/gemm.h"
+#include "treeverify/kernels/cuda/mla_verify_attention.h"
+#include "treeverify/worker/communicator.h"
+#include "treeverify/worker/cuda_kv_storage.h"
+#include "treeverify/worker/device_array.h"
+#include "treeverify/worker/device_weights.h"
+#include "treeverify/worker/forward_backend.h"
+#include "treeverify/worker/kv_storage.h"
+#include "treeverify/worker/model_weights.h"
+
+namespace treeverify::worker {
+
+struct CudaForwardOptions {
+  int device_ordinal = 0;
+  absl::Status Validate() const;
+};
+
+// Uploads the weights (converted to bf16) to the device and allocates the KV rows there.
+// FAILED_PRECONDITION without a usable GPU.
+absl::StatusOr<ForwardParts> MakeCudaForward(const ModelWeights& weights,
+                                             const KvCacheOptions& cache,
+                                             Communicator* communicator,
+                                             const CudaForwardOptions& options);
+
+class CudaForward final : public ForwardBackend {
+ public:
+  // Takes the stream (destroyed with the backend; the KV rows' moves run on it too). kv_rows and
+  // communicator must outlive the backend.
+  static absl::StatusOr<std::unique_ptr<CudaForward>> Create(
+      DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
+      const kernels::cuda::DeviceInfo& device, cudaStream_t stream);
+  ~CudaForward() override;
+
+  absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  // Activations for up to `capacity` rows.
+  struct Activations {
+    int64_t capacity = 0;
+    DeviceArray<float> residual;   // [rows, hidden] the residual stream
+    DeviceArray<Bf16> normed;      // [rows, hidden] the next GEMM's input
+    DeviceArray<float> branch;     // [rows, hidden] attention or MLP output, then all-reduced
+    DeviceArray<float> q_a;        // [rows, q_lora_rank]
+    DeviceArray<Bf16> q_a_normed;  // [rows, q_lora_rank]
+    DeviceArray<Bf16> q;           // [rows, heads, qk_head_dim]
+    DeviceArray<Bf16> q_attn;      // [rows, heads, kv_lora_rank + rope]: the absorbed query
+    DeviceArray<float> kv_a;       // [rows, kv_lora_rank + rope]
+    DeviceArray<Bf16> kv_row;      // [rows, kv_lora_rank + rope]: the new cache rows
+    DeviceArray<Bf16> latent_out;  // [rows, heads, kv_lora_rank]
+    DeviceArray<float> lse;        // [rows, heads]
+    DeviceArray<Bf16> values;      // [rows, heads, v_head_dim]
+    DeviceArray<float> gate_up;    // [rows, 2 * intermediate]
+    DeviceArray<Bf16> activated;   // [rows, intermediate]
+    DeviceArray<float> logits;     // [rows, vocab shard]
+  };
+  // The step's inputs on the device, packed in one buffer and copied in one go.
+  struct StepInputs {
+    DeviceArray<uint8_t> buffer;
+    const int32_t* token_ids = nullptr;          // [rows]
+    const int32_t* positions = nullptr;          // [rows]
+    const int64_t* slots = nullptr;              // [rows]
+    const int32_t* row_offsets = nullptr;        // [sequences + 1]
+    const int32_t* committed_lengths = nullptr;  // [sequences]
+    const uint64_t* ancestor_mask = nullptr;     // [rows, kAncestorMaskWords]
+    const int32_t* page_table = nullptr;         // [sequences, max_pages]
+  };
+
+  CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
+              const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
+              std::unique_ptr<kernels::cuda::GemmRunner> gemm);
+  absl::Status Reserve(int64_t rows);
+  absl::Status Upload(const BatchInputs& batch);
+  absl::Status Attention(int64_t layer, const BatchInputs& batch);
+  absl::Status Mlp(int64_t layer, int64_t rows);
+  absl::Status AllReduce(float* data, int64_t count);
+  absl::Status CopyToHost(const float* data, int64_t count, std::vector<float>& host);
+  absl::StatusOr<const kernels::cuda::MlaVerifyPlan*> MlaPlanFor(
+      const kernels::cuda::MlaVerifyShape& shape);
+
+  DeviceWeights weights_;
+  CudaKvStorage& kv_rows_;
+  Communicator* communicator_;
+  kernels::cuda::DeviceInfo device_;
+  cudaStream_t stream_;
+  std::unique_ptr<kernels::cuda::GemmRunner> gemm_;
+  Activations activations_;
+  StepInputs inputs_;
+  std::vector<uint8_t> staging_;
+  // (sequences, most rows of one sequence, row capacity) -> plan.
+  std::map<std::tuple<int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
+  DeviceArray<uint8_t> mla_workspace_;
+  float rope_attention_factor_ = 1.0f;
+  float softmax_scale_ = 1.0f;
+};
+
+}  // namespace treeverify::worker

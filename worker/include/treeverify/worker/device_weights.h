@@ -1,0 +1,61 @@
+// One rank's weights on the GPU, bf16, in the layouts of ModelWeights (model_weights.h): uploaded
+// from a loaded checkpoint, or random (benchmarks of shapes no checkpoint here has). Norm weights
+// are bf16 too, as the checkpoints store them.
+//
+//   TV_ASSIGN_OR_RETURN(DeviceWeights device, UploadWeights(*weights));
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/worker/device_array.h"
+#include "treeverify/worker/model_config.h"
+#include "treeverify/worker/model_weights.h"
+#include "treeverify/worker/sharding_plan.h"
+
+namespace treeverify::worker {
+
+using kernels::cuda::Bf16;
+
+struct DeviceMlpWeights {
+  int64_t intermediate = 0;   // this rank's columns (0: absent)
+  DeviceArray<Bf16> gate_up;  // [2 * intermediate, hidden]
+  DeviceArray<Bf16> down;     // [hidden, intermediate]
+};
+
+struct DeviceAttentionWeights {
+  DeviceArray<Bf16> q_a_proj;   // [q_lora_rank, hidden] (when q_lora_rank is set)
+  DeviceArray<Bf16> q_a_norm;   // [q_lora_rank]
+  DeviceArray<Bf16> q_proj;     // [local_heads * qk_head_dim, q_lora_rank or hidden]
+  DeviceArray<Bf16> kv_a_proj;  // [kv_lora_rank + qk_rope_head_dim, hidden]
+  DeviceArray<Bf16> kv_a_norm;  // [kv_lora_rank]
+  DeviceArray<Bf16> w_uk_t;     // [local_heads, kv_lora_rank, qk_nope_head_dim]
+  DeviceArray<Bf16> w_uv;       // [local_heads, v_head_dim, kv_lora_rank]
+  DeviceArray<Bf16> o_proj;     // [hidden, local_heads * v_head_dim]
+};
+
+struct DeviceLayerWeights {
+  DeviceArray<Bf16> input_norm;  // [hidden]
+  DeviceArray<Bf16> post_norm;   // [hidden]
+  DeviceAttentionWeights attention;
+  bool is_moe = false;
+  DeviceMlpWeights dense;  // when !is_moe
+};
+
+struct DeviceWeights {
+  ModelConfig config;
+  ShardingPlan plan;
+  DeviceArray<Bf16> embedding;   // [vocab shard, hidden]
+  DeviceArray<Bf16> final_norm;  // [hidden]
+  DeviceArray<Bf16> lm_head;     // [vocab shard, hidden]
+  std::vector<DeviceLayerWeights> layers;
+  DeviceArray<float> rope_inv_freq;  // [qk_rope_head_dim / 2]
+};
+
+// The loaded weights rounded to bf16 (round to nearest even) on the current device.
+// UNIMPLEMENTED for MoE layers until the GPU MoE lands.
+absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
+
+}  // namespace treeverify::worker

@@ -1,0 +1,499 @@
+#include "treeverify/worker/cuda_forward.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "treeverify/kernels/cuda/activation.h"
+#include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/embedding.h"
+#include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/rms_norm.h"
+#include "treeverify/kernels/cuda/rope.h"
+#include "treeverify/kernels/status.h"
+
+namespace treeverify::worker {
+
+namespace cuda = kernels::cuda;
+
+absl::Status CudaForwardOptions::Validate() const {
+  if (device_ordinal < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaForwardOptions.device_ordinal must be >= 0, got ", device_ordinal));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// A stream that is destroyed unless handed on.
+class OwnedStream {
+ public:
+  ~OwnedStream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  absl::Status Create() {
+    return cuda::CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                            "cudaStreamCreateWithFlags");
+  }
+  cudaStream_t get() const { return stream_; }
+  cudaStream_t release() { return std::exchange(stream_, nullptr); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// Grows `array` to at least `count` elements (contents are not kept).
+template <typename T>
+absl::Status Grow(DeviceArray<T>& array, int64_t count) {
+  if (array.size() >= count) return absl::OkStatus();
+  array = DeviceArray<T>();
+  TV_ASSIGN_OR_RETURN(array, DeviceArray<T>::Allocate(count));
+  return absl::OkStatus();
+}
+
+// Appends `values` to `staging` at a 256-byte aligned offset and returns that offset.
+template <typename T>
+size_t Stage(const std::vector<T>& values, std::vector<uint8_t>& staging) {
+  const size_t offset = (staging.size() + 255) / 256 * 256;
+  staging.resize(offset + values.size() * sizeof(T));
+  if (!values.empty())
+    std::memcpy(staging.data() + offset, values.data(), values.size() * sizeof(T));
+  return offset;
+}
+
+}  // namespace
+
+absl::StatusOr<ForwardParts> MakeCudaForward(const ModelWeights& weights,
+                                             const KvCacheOptions& cache,
+                                             Communicator* communicator,
+                                             const CudaForwardOptions& options) {
+  TV_RETURN_IF_ERROR(options.Validate());
+  TV_ASSIGN_OR_RETURN(cuda::DeviceInfo device, cuda::QueryDevice(options.device_ordinal));
+  TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device_ordinal));
+  OwnedStream stream;
+  TV_RETURN_IF_ERROR(stream.Create());
+  TV_ASSIGN_OR_RETURN(DeviceWeights device_weights, UploadWeights(weights));
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<CudaKvStorage> rows,
+                      CudaKvStorage::Create(cache, stream.get()));
+  TV_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaForward> backend,
+      CudaForward::Create(std::move(device_weights), *rows, communicator, device, stream.get()));
+  stream.release();  // the backend owns it now
+  return ForwardParts{.kv_rows = std::move(rows), .backend = std::move(backend)};
+}
+
+absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(DeviceWeights weights,
+                                                                 CudaKvStorage& kv_rows,
+                                                                 Communicator* communicator,
+                                                                 const cuda::DeviceInfo& device,
+                                                                 cudaStream_t stream) {
+  const ModelConfig& c = weights.config;
+  if (kv_rows.options().num_layers != c.num_hidden_layers ||
+      kv_rows.options().row_dim != c.kv_row_dim()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaForward: the KV rows hold ", kv_rows.options().num_layers, " layers of ",
+                     kv_rows.options().row_dim, " values, the model has ", c.num_hidden_layers,
+                     " layers of ", c.kv_row_dim()));
+  }
+  if (communicator == nullptr) return absl::InvalidArgumentError("CudaForward: no communicator");
+  if (static_cast<int64_t>(weights.layers.size()) != c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaForward: ", weights.layers.size(),
+                                                   " layers of weights for a model of ",
+                                                   c.num_hidden_layers));
+  }
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
+  return std::unique_ptr<CudaForward>(
+      new CudaForward(std::move(weights), kv_rows, communicator, device, stream, std::move(gemm)));
+}
+
+CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
+                         const cuda::DeviceInfo& device, cudaStream_t stream,
+                         std::unique_ptr<cuda::GemmRunner> gemm)
+    : weights_(std::move(weights)),
+      kv_rows_(kv_rows),
+      communicator_(communicator),
+      device_(device),
+      stream_(stream),
+      gemm_(std::move(gemm)) {
+  rope_attention_factor_ = static_cast<float>(weights_.config.rope_attention_factor());
+  softmax_scale_ = static_cast<float>(weights_.config.softmax_scale());
+}
+
+CudaForward::~CudaForward() {
+  cudaStreamSynchronize(stream_);
+  cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaForward::Reserve(int64_t rows) {
+  if (rows <= activations_.capacity) return absl::OkStatus();
+  // Whatever is in flight may still read the old buffers.
+  TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  int64_t capacity = 16;
+  while (capacity < rows) capacity *= 2;
+  const ModelConfig& c = weights_.config;
+  const int64_t heads = weights_.plan.heads.size();
+  const int64_t q_lora = c.q_lora_rank.value_or(0);
+  int64_t intermediate = 0;
+  for (const DeviceLayerWeights& layer : weights_.layers) {
+    intermediate = std::max(intermediate, layer.dense.intermediate);
+  }
+  Activations& a = activations_;
+  TV_RETURN_IF_ERROR(Grow(a.residual, capacity * c.hidden_size));
+  TV_RETURN_IF_ERROR(Grow(a.normed, capacity * c.hidden_size));
+  TV_RETURN_IF_ERROR(Grow(a.branch, capacity * c.hidden_size));
+  TV_RETURN_IF_ERROR(Grow(a.q_a, capacity * q_lora));
+  TV_RETURN_IF_ERROR(Grow(a.q_a_normed, capacity * q_lora));
+  TV_RETURN_IF_ERROR(Grow(a.q, capacity * heads * c.qk_head_dim()));
+  TV_RETURN_IF_ERROR(Grow(a.q_attn, capacity * heads * c.kv_row_dim()));
+  TV_RETURN_IF_ERROR(Grow(a.kv_a, capacity * c.kv_row_dim()));
+  TV_RETURN_IF_ERROR(Grow(a.kv_row, capacity * c.kv_row_dim()));
+  TV_RETURN_IF_ERROR(Grow(a.latent_out, capacity * heads * c.kv_lora_rank));
+  TV_RETURN_IF_ERROR(Grow(a.lse, capacity * heads));
+  TV_RETURN_IF_ERROR(Grow(a.values, capacity * heads * c.v_head_dim));
+  TV_RETURN_IF_ERROR(Grow(a.gate_up, capacity * 2 * intermediate));
+  TV_RETURN_IF_ERROR(Grow(a.activated, capacity * intermediate));
+  TV_RETURN_IF_ERROR(Grow(a.logits, capacity * weights_.plan.vocab.size()));
+  a.capacity = capacity;
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::Upload(const BatchInputs& batch) {
+  staging_.clear();
+  const size_t token_ids = Stage(batch.token_ids, staging_);
+  const size_t positions = Stage(batch.positions, staging_);
+  const size_t slots = Stage(batch.slots, staging_);
+  const size_t row_offsets = Stage(batch.row_offsets, staging_);
+  const size_t committed = Stage(batch.committed_lengths, staging_);
+  const size_t mask = Stage(batch.ancestor_mask, staging_);
+  const size_t page_table = Stage(batch.page_table, staging_);
+  if (inputs_.buffer.size() < static_cast<int64_t>(staging_.size())) {
+    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Grow(inputs_.buffer, static_cast<int64_t>(staging_.size()) * 2));
+  }
+  // From pageable memory: returns once staged, and runs after the previous step's kernels.
+  TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(inputs_.buffer.get(), staging_.data(), staging_.size(),
+                                          cudaMemcpyHostToDevice, stream_));
+  uint8_t* base = inputs_.buffer.get();
+  inputs_.token_ids = reinterpret_cast<const int32_t*>(base + token_ids);
+  inputs_.positions = reinterpret_cast<const int32_t*>(base + positions);
+  inputs_.slots = reinterpret_cast<const int64_t*>(base + slots);
+  inputs_.row_offsets = reinterpret_cast<const int32_t*>(base + row_offsets);
+  inputs_.committed_lengths = reinterpret_cast<const int32_t*>(base + committed);
+  inputs_.ancestor_mask = reinterpret_cast<const uint64_t*>(base + mask);
+  inputs_.page_table = reinterpret_cast<const int32_t*>(base + page_table);
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::CopyToHost(const float* data, int64_t count, std::vector<float>& host) {
+  host.resize(count);
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return cuda::CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+// Until the NCCL communicator lands, ranks meet through the host communicator.
+absl::Status CudaForward::AllReduce(float* data, int64_t count) {
+  if (communicator_->world_size() == 1) return absl::OkStatus();
+  std::vector<float> host;
+  TV_RETURN_IF_ERROR(CopyToHost(data, count, host));
+  TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(host)));
+  return cuda::CudaStatus(
+      cudaMemcpyAsync(data, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream_),
+      "cudaMemcpyAsync");
+}
+
+absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
+    const cuda::MlaVerifyShape& shape) {
+  const auto key = std::make_tuple(shape.num_seqs, shape.max_rows_per_seq, shape.row_capacity);
+  auto found = mla_plans_.find(key);
+  if (found == mla_plans_.end()) {
+    TV_ASSIGN_OR_RETURN(cuda::MlaVerifyPlan plan, cuda::PlanMlaVerify(shape, device_, {}));
+    found = mla_plans_.emplace(key, std::move(plan)).first;
+  }
+  const cuda::MlaVerifyPlan& plan = found->second;
+  if (plan.workspace_bytes > mla_workspace_.size()) {
+    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Grow(mla_workspace_, plan.workspace_bytes));
+    TV_RETURN_IF_ERROR(
+        cuda::PrepareMlaVerifyWorkspace(mla_workspace_.get(), mla_workspace_.size(), stream_));
+  }
+  return &plan;
+}
+
+absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) {
+  const ModelConfig& c = weights_.config;
+  outputs = ForwardOutputs();
+  outputs.layer_hidden.resize(c.num_hidden_layers + 1);
+  const int64_t rows = batch.rows();
+  if (rows == 0) return absl::OkStatus();
+  TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
+  TV_RETURN_IF_ERROR(Reserve(rows));
+  TV_RETURN_IF_ERROR(Upload(batch));
+  Activations& a = activations_;
+  const int64_t hidden = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+
+  TV_RETURN_IF_ERROR(
+      cuda::Embedding({.token_ids = inputs_.token_ids,
+                       .table = weights_.embedding.get(),
+                       .out = a.residual.get(),
+                       .tokens = rows,
+                       .hidden = hidden,
+                       .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
+                       .vocab_end = static_cast<int32_t>(weights_.plan.vocab.end)},
+                      stream_));
+  TV_RETURN_IF_ERROR(AllReduce(a.residual.get(), rows * hidden));
+  if (batch.capture_layer[0]) {
+    TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[0]));
+  }
+  // The residual add of each branch is fused into the next norm: residual += branch, then
+  // normed = norm(residual). The first layer's input norm has nothing to add.
+  auto norm = [&](const Bf16* weight, bool add_branch) {
+    return cuda::RmsNorm({.input = a.residual.get(),
+                          .weight = weight,
+                          .output = a.normed.get(),
+                          .rows = rows,
+                          .dim = hidden,
+                          .eps = eps,
+                          .add = add_branch ? a.branch.get() : nullptr,
+                          .sum = add_branch ? a.residual.get() : nullptr},
+                         stream_);
+  };
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const DeviceLayerWeights& layer = weights_.layers[l];
+    TV_RETURN_IF_ERROR(norm(layer.input_norm.get(), /*add_branch=*/l > 0));
+    if (l > 0 && batch.capture_layer[l]) {
+      TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[l]));
+    }
+    TV_RETURN_IF_ERROR(Attention(l, batch));
+    TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
+    TV_RETURN_IF_ERROR(norm(layer.post_norm.get(), /*add_branch=*/true));
+    TV_RETURN_IF_ERROR(Mlp(l, rows));
+    TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
+  }
+  TV_RETURN_IF_ERROR(norm(weights_.final_norm.get(), /*add_branch=*/c.num_hidden_layers > 0));
+  if (batch.capture_layer[c.num_hidden_layers]) {
+    TV_RETURN_IF_ERROR(
+        CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[c.num_hidden_layers]));
+  }
+
+  const int64_t vocab_shard = weights_.plan.vocab.size();
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = weights_.lm_head.get(),
+                                 .y = a.logits.get(),
+                                 .m = rows,
+                                 .n = vocab_shard,
+                                 .k = hidden},
+                                stream_));
+  // The fused LM-head summary is still to come: summarize on the host for now.
+  std::vector<float> logits;
+  TV_RETURN_IF_ERROR(CopyToHost(a.logits.get(), rows * vocab_shard, logits));
+  TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
+                                     static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
+  if (batch.return_logits) outputs.logits = std::move(logits);
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batch) {
+  const ModelConfig& c = weights_.config;
+  const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  Activations& a = activations_;
+  const int64_t rows = batch.rows();
+  const int64_t hidden = c.hidden_size;
+  const int64_t heads = weights_.plan.heads.size();
+  const int64_t nope = c.qk_nope_head_dim;
+  const int64_t rope = c.qk_rope_head_dim;
+  const int64_t qk = c.qk_head_dim();
+  const int64_t lora = c.kv_lora_rank;
+  const int64_t row_dim = c.kv_row_dim();
+  const int64_t v = c.v_head_dim;
+
+  // Queries [rows, heads, qk] from the (optionally low-rank) projection.
+  if (c.q_lora_rank) {
+    const int64_t q_lora = *c.q_lora_rank;
+    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                   .weight = w.q_a_proj.get(),
+                                   .y = a.q_a.get(),
+                                   .m = rows,
+                                   .n = q_lora,
+                                   .k = hidden},
+                                  stream_));
+    TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.q_a.get(),
+                                      .weight = w.q_a_norm.get(),
+                                      .output = a.q_a_normed.get(),
+                                      .rows = rows,
+                                      .dim = q_lora,
+                                      .eps = kLatentNormEps},
+                                     stream_));
+    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q_a_normed.get(),
+                                   .weight = w.q_proj.get(),
+                                   .y = a.q.get(),
+                                   .m = rows,
+                                   .n = heads * qk,
+                                   .k = q_lora},
+                                  stream_));
+  } else {
+    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                   .weight = w.q_proj.get(),
+                                   .y = a.q.get(),
+                                   .m = rows,
+                                   .n = heads * qk,
+                                   .k = hidden},
+                                  stream_));
+  }
+  // Absorbed queries [rows, heads, lora + rope]: q_nope through W_UK (one product per head),
+  // then the rotated q_pe.
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q.get(),
+                                 .weight = w.w_uk_t.get(),
+                                 .y = a.q_attn.get(),
+                                 .m = rows,
+                                 .n = lora,
+                                 .k = nope,
+                                 .x_stride = heads * qk,
+                                 .y_stride = heads * row_dim,
+                                 .batch = heads,
+                                 .x_batch_stride = qk,
+                                 .weight_batch_stride = lora * nope,
+                                 .y_batch_stride = row_dim},
+                                stream_));
+  TV_RETURN_IF_ERROR(
+      cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q_attn.get() + lora,
+                                                   .positions = inputs_.positions,
+                                                   .inv_freq = weights_.rope_inv_freq.get(),
+                                                   .rows = rows,
+                                                   .heads = heads,
+                                                   .rope_dim = rope,
+                                                   .row_stride = heads * row_dim,
+                                                   .head_stride = row_dim,
+                                                   .attention_factor = rope_attention_factor_,
+                                                   .interleaved = c.rope_interleave,
+                                                   .input = a.q.get() + nope,
+                                                   .input_row_stride = heads * qk,
+                                                   .input_head_stride = qk},
+                 stream_));
+
+  // The new rows' latent KV: normalized latent and rotated shared key, into the cache.
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = w.kv_a_proj.get(),
+                                 .y = a.kv_a.get(),
+                                 .m = rows,
+                                 .n = row_dim,
+                                 .k = hidden},
+                                stream_));
+  TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.kv_a.get(),
+                                    .weight = w.kv_a_norm.get(),
+                                    .output = a.kv_row.get(),
+                                    .rows = rows,
+                                    .dim = lora,
+                                    .input_stride = row_dim,
+                                    .output_stride = row_dim,
+                                    .eps = kLatentNormEps},
+                                   stream_));
+  TV_RETURN_IF_ERROR(
+      cuda::Rope(kernels::RopeParamsOf<float, Bf16>{.x = a.kv_row.get() + lora,
+                                                    .positions = inputs_.positions,
+                                                    .inv_freq = weights_.rope_inv_freq.get(),
+                                                    .rows = rows,
+                                                    .heads = 1,
+                                                    .rope_dim = rope,
+                                                    .row_stride = row_dim,
+                                                    .head_stride = row_dim,
+                                                    .attention_factor = rope_attention_factor_,
+                                                    .interleaved = c.rope_interleave,
+                                                    .input = a.kv_a.get() + lora},
+                 stream_));
+  const KvCacheOptions& cache = kv_rows_.options();
+  Bf16* layer_rows = kv_rows_.layer_data(layer_index);
+  TV_RETURN_IF_ERROR(cuda::KvAppend({.rows = a.kv_row.get(),
+                                     .slots = inputs_.slots,
+                                     .cache = layer_rows,
+                                     .count = rows,
+                                     .row_dim = row_dim,
+                                     .num_slots = cache.num_slots()},
+                                    stream_));
+
+  int32_t max_rows_per_seq = 0;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    max_rows_per_seq = std::max(max_rows_per_seq, batch.row_offsets[s + 1] - batch.row_offsets[s]);
+  }
+  const cuda::MlaVerifyShape shape{.num_seqs = batch.sequences(),
+                                   .max_rows_per_seq = max_rows_per_seq,
+                                   .row_capacity = static_cast<int32_t>(a.capacity),
+                                   .num_heads = static_cast<int32_t>(heads),
+                                   .latent_dim = static_cast<int32_t>(lora),
+                                   .rope_dim = static_cast<int32_t>(rope),
+                                   .page_size = cache.page_size};
+  TV_ASSIGN_OR_RETURN(const cuda::MlaVerifyPlan* plan, MlaPlanFor(shape));
+  TV_RETURN_IF_ERROR(cuda::MlaVerifyAttention({.q = a.q_attn.get(),
+                                               .kv_cache = layer_rows,
+                                               .page_table = inputs_.page_table,
+                                               .committed_lengths = inputs_.committed_lengths,
+                                               .row_offsets = inputs_.row_offsets,
+                                               .ancestor_mask = inputs_.ancestor_mask,
+                                               .out = a.latent_out.get(),
+                                               .lse = a.lse.get(),
+                                               .num_seqs = batch.sequences(),
+                                               .num_heads = static_cast<int32_t>(heads),
+                                               .latent_dim = static_cast<int32_t>(lora),
+                                               .rope_dim = static_cast<int32_t>(rope),
+                                               .page_size = cache.page_size,
+                                               .max_pages_per_seq = batch.max_pages,
+                                               .num_pages = static_cast<int32_t>(cache.num_pages),
+                                               .softmax_scale = softmax_scale_},
+                                              shape, *plan, mla_workspace_.get(),
+                                              mla_workspace_.size(), stream_));
+
+  // Back out of the latent space through W_UV (one product per head), then o_proj: this rank's
+  // partial sum over its heads, all-reduced by the caller.
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.latent_out.get(),
+                                 .weight = w.w_uv.get(),
+                                 .y = a.values.get(),
+                                 .m = rows,
+                                 .n = v,
+                                 .k = lora,
+                                 .x_stride = heads * lora,
+                                 .y_stride = heads * v,
+                                 .batch = heads,
+                                 .x_batch_stride = lora,
+                                 .weight_batch_stride = v * lora,
+                                 .y_batch_stride = v},
+                                stream_));
+  return gemm_->Run({.x = a.values.get(),
+                     .weight = w.o_proj.get(),
+                     .y = a.branch.get(),
+                     .m = rows,
+                     .n = hidden,
+                     .k = heads * v},
+                    stream_);
+}
+
+absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {
+  const DeviceLayerWeights& layer = weights_.layers[layer_index];
+  if (layer.is_moe) {
+    return absl::UnimplementedError("the CUDA backend does not run MoE layers yet (issue 5)");
+  }
+  const DeviceMlpWeights& mlp = layer.dense;
+  Activations& a = activations_;
+  const int64_t hidden = weights_.config.hidden_size;
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = mlp.gate_up.get(),
+                                 .y = a.gate_up.get(),
+                                 .m = rows,
+                                 .n = 2 * mlp.intermediate,
+                                 .k = hidden},
+                                stream_));
+  TV_RETURN_IF_ERROR(cuda::SiluMul(
+      {.gate_up = a.gate_up.get(), .out = a.activated.get(), .rows = rows, .dim = mlp.intermediate},
+      stream_));
+  return gemm_->Run({.x = a.activated.get(),
+                     .weight = mlp.down.get(),
+                     .y = a.branch.get(),
+                     .m = rows,
+                     .n = hidden,
+                     .k = mlp.intermediate},
+                    stream_);
+}
+
+}  // namespace treeverify::worker
