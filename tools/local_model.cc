@@ -57,6 +57,7 @@ absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string
     runner_options.expert_sharding = options.expert_sharding;
     runner_options.kv_page_size = options.kv_page_size;
     runner_options.kv_pages = options.kv_pages;
+    runner_options.forward_factory = options.forward_factory;
     TV_ASSIGN_OR_RETURN(
         runners[r], worker::ModelRunner::Create(model_dir, runner_options, group->communicator(r)));
     return absl::OkStatus();

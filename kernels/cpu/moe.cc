@@ -240,6 +240,13 @@ absl::Status ValidateExperts(const MoeExpertsParams& p) {
   return absl::OkStatus();
 }
 
+// The shared experts' output comes last, after every routed expert.
+absl::Status AddShared(const MoeExpertsParams& p) {
+  if (p.shared_out == nullptr) return absl::OkStatus();
+  for (int64_t i = 0; i < p.tokens * p.hidden; ++i) p.out[i] += p.shared_out[i];
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status MoeRouting(const MoeRoutingParams& params) {
@@ -280,7 +287,7 @@ absl::Status MoeExperts(const MoeExpertsParams& params) {
     max_rows = std::max(max_rows, offsets[e + 1]);
     offsets[e + 1] += offsets[e];
   }
-  if (max_rows == 0) return absl::OkStatus();
+  if (max_rows == 0) return AddShared(params);
   std::vector<int64_t> entry_token(offsets[num_local]);
   std::vector<float> entry_weight(offsets[num_local]);
   {
@@ -338,7 +345,7 @@ absl::Status MoeExperts(const MoeExpertsParams& params) {
       for (int64_t j = 0; j < hidden; ++j) out[j] += expert_row[j] * weight;
     }
   }
-  return absl::OkStatus();
+  return AddShared(params);
 }
 
 }  // namespace treeverify::kernels::cpu

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/tools/checkpoint_generator.h"
+#include "treeverify/tools/local_model.h"
 #include "treeverify/worker/model_runner.h"
 #include "treeverify/worker/segment_tree.h"
 
@@ -33,16 +34,36 @@ constexpr double kLogProbTolerance = 0.3;
 constexpr double kLikelyLogProb = -10.0;
 constexpr double kTailRelativeTolerance = 0.03;
 
+// Routing is discrete: where a token's expert scores are within rounding of a tie, the GPU
+// (whose router reads the bf16 normed hidden state, as transformers does in bf16) may pick other
+// experts than the fp32 oracle, and that token's logits then differ by nats, not by rounding
+// (on the H200, 2026-11-30: 28 of 157 rows for tiny-v3, whose groups of two experts make group
+// choices close; 1 for tiny-kimi and tiny-v2-lite; the all-experts variants agree within 0.21).
+// So the presets are compared twice: as they are, where at most kNearTieRowsPercent of the rows
+// may disagree, and with every expert active (top_k = n_routed_experts: the routing then only
+// weighs, continuously), where every row must agree. The routing kernel's choices are tested
+// exactly, on identical logits, in tests/kernels/cuda/forward_ops_test.cc.
+constexpr int kNearTieRowsPercent = 25;
+
 struct Model {
   std::string name;
   tools::CheckpointSpec spec;
+  bool near_ties = false;  // routing may flip at near-ties (see above)
 };
 
-// Dense tiny models (the GPU MoE is still to come): tiny-v3 and tiny-v2-lite without routed
-// experts, and one with DeepSeek-V3's attention dims (latent 512, rope 64), so that the
-// production MLA kernels run inside the forward.
-std::vector<Model> DenseModels() {
+// The tiny presets (MoE: sigmoid + noaux_tc with groups, Kimi's single group, V2-Lite's softmax
+// + greedy without q_lora), dense variants, and one with DeepSeek-V3's attention dims (latent
+// 512, rope 64), so that the production MLA kernels run inside the forward.
+std::vector<Model> Models() {
   std::vector<Model> models;
+  for (const char* preset : {"tiny-v3", "tiny-kimi", "tiny-v2-lite"}) {
+    const tools::CheckpointSpec spec = *tools::PresetSpec(preset);
+    models.push_back({preset, spec, /*near_ties=*/true});
+    tools::CheckpointSpec all_experts = spec;
+    all_experts.num_experts_per_tok = spec.n_routed_experts;
+    all_experts.topk_group = spec.n_group;
+    models.push_back({std::string(preset) + "-all-experts", all_experts});
+  }
   tools::CheckpointSpec v3 = *tools::PresetSpec("tiny-v3");
   v3.n_routed_experts = 0;
   models.push_back({"dense-tiny-v3", v3});
@@ -87,36 +108,44 @@ struct Agreement {
   double worst_tail = 0.0;  // largest relative difference below that
   int rows = 0;
   int argmax_compared = 0;
+  std::vector<std::string> disagreeing;  // rows outside the bounds, with the first reason
 };
 
-// The margin rule on [rows, vocab] logits: GPU against the CPU reference.
-void ExpectAgreement(const std::vector<float>& gpu, const std::vector<float>& cpu, int64_t vocab,
-                     const std::string& what, Agreement& agreement) {
+// The margin rule on [rows, vocab] logits, GPU against the CPU reference: a row agrees when its
+// likely tokens' log-probs are within kLogProbTolerance, the rest within kTailRelativeTolerance,
+// and its argmax is the CPU's wherever the CPU's top-1/top-2 margin exceeds twice the tolerance.
+void CompareRows(const std::vector<float>& gpu, const std::vector<float>& cpu, int64_t vocab,
+                 const std::string& what, Agreement& agreement) {
   ASSERT_EQ(gpu.size(), cpu.size()) << what;
   const int64_t rows = static_cast<int64_t>(cpu.size()) / vocab;
   for (int64_t r = 0; r < rows; ++r) {
     const std::vector<double> expected = LogSoftmax(cpu.data() + r * vocab, vocab);
     const std::vector<double> actual = LogSoftmax(gpu.data() + r * vocab, vocab);
+    std::string reason;
     for (int64_t v = 0; v < vocab; ++v) {
       const double diff = std::abs(actual[v] - expected[v]);
-      if (expected[v] >= kLikelyLogProb) {
-        agreement.worst = std::max(agreement.worst, diff);
-        EXPECT_LE(diff, kLogProbTolerance)
-            << what << ", row " << r << ", token " << v << ", log-prob " << expected[v];
-      } else {
-        const double relative = diff / std::abs(expected[v]);
-        agreement.worst_tail = std::max(agreement.worst_tail, relative);
-        EXPECT_LE(relative, kTailRelativeTolerance)
-            << what << ", row " << r << ", token " << v << ", log-prob " << expected[v];
+      const bool likely = expected[v] >= kLikelyLogProb;
+      const double measure = likely ? diff : diff / std::abs(expected[v]);
+      double& worst = likely ? agreement.worst : agreement.worst_tail;
+      worst = std::max(worst, measure);
+      if (reason.empty() && measure > (likely ? kLogProbTolerance : kTailRelativeTolerance)) {
+        reason = "token " + std::to_string(v) + ": log-prob " + std::to_string(actual[v]) +
+                 ", CPU " + std::to_string(expected[v]);
       }
     }
     std::vector<double> sorted = expected;
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
     if (sorted[0] - sorted[1] > 2 * kLogProbTolerance) {
       ++agreement.argmax_compared;
-      EXPECT_EQ(std::max_element(actual.begin(), actual.end()) - actual.begin(),
-                std::max_element(expected.begin(), expected.end()) - expected.begin())
-          << what << ", row " << r;
+      const auto argmax = std::max_element(actual.begin(), actual.end()) - actual.begin();
+      const auto expected_argmax =
+          std::max_element(expected.begin(), expected.end()) - expected.begin();
+      if (reason.empty() && argmax != expected_argmax) {
+        reason = "argmax " + std::to_string(argmax) + ", CPU " + std::to_string(expected_argmax);
+      }
+    }
+    if (!reason.empty()) {
+      agreement.disagreeing.push_back(what + ", row " + std::to_string(r) + ": " + reason);
     }
     ++agreement.rows;
   }
@@ -129,18 +158,21 @@ class CudaForwardTest : public testing::Test {
     if (!device.ok()) GTEST_SKIP() << "GPU test skipped: " << device.status();
   }
 
-  static std::unique_ptr<ModelRunner> MakeRunner(const std::string& dir, bool gpu,
-                                                 Communicator* communicator) {
-    ModelRunnerOptions options;
+  static std::unique_ptr<tools::LocalModel> MakeModel(const std::string& dir, bool gpu,
+                                                      int world_size = 1,
+                                                      ExpertSharding sharding = {}) {
+    tools::LocalModelOptions options;
+    options.world_size = world_size;
+    options.expert_sharding = sharding;
     options.kv_page_size = 16;
     options.kv_pages = 64;
     if (gpu) {
       options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c,
                                    Communicator* k) { return MakeCudaForward(w, c, k, {}); };
     }
-    auto runner = ModelRunner::Create(dir, options, communicator);
-    EXPECT_TRUE(runner.ok()) << runner.status();
-    return runner.ok() ? std::move(*runner) : nullptr;
+    auto model = tools::LocalModel::Create(dir, options);
+    EXPECT_TRUE(model.ok()) << model.status();
+    return model.ok() ? std::move(*model) : nullptr;
   }
 };
 
@@ -150,102 +182,126 @@ std::vector<int32_t> RandomTokens(int n, int64_t vocab, std::mt19937& rng) {
   return tokens;
 }
 
-TEST_F(CudaForwardTest, TeacherForcedStepsMatchTheCpuBackend) {
-  for (const Model& model : DenseModels()) {
-    SCOPED_TRACE(model.name);
-    const unsigned seed = 77;
-    std::mt19937 rng(seed);
-    const std::string dir = WriteModel(model);
-    SoloCommunicator cpu_solo, gpu_solo;
-    auto cpu = MakeRunner(dir, /*gpu=*/false, &cpu_solo);
-    auto gpu = MakeRunner(dir, /*gpu=*/true, &gpu_solo);
-    ASSERT_NE(cpu, nullptr);
-    ASSERT_NE(gpu, nullptr);
-    const int64_t vocab = cpu->config().vocab_size;
-    Agreement agreement;
+struct RankSetup {
+  int world_size;
+  ExpertSharding sharding;
+  std::string name() const {
+    return "tp" + std::to_string(world_size) +
+           (sharding == ExpertSharding::kSplitInside ? " split inside" : " whole experts");
+  }
+};
 
-    // Two sequences: prompts of 37 and 20 tokens as chains, with hidden states of layer 1.
-    ForwardRequest prefill;
-    prefill.return_logits = true;
-    for (uint64_t id : {1, 2}) {
-      const int length = id == 1 ? 37 : 20;
-      prefill.segments.push_back({.sequence_id = id,
-                                  .token_ids = RandomTokens(length, vocab, rng),
-                                  .parents = SegmentTree::ChainParents(length),
-                                  .hidden_state_layers = {1}});
+// W = 1 for every model; W = 2 (two GPU ranks in threads of this process, meeting through the
+// host communicator until NCCL lands) in both expert shardings for the MoE presets. The
+// reference is always the CPU at W = 1.
+TEST_F(CudaForwardTest, TeacherForcedStepsMatchTheCpuBackend) {
+  for (const Model& model : Models()) {
+    const bool moe = model.spec.n_routed_experts > 0;
+    std::vector<RankSetup> setups = {{1, ExpertSharding::kSplitInside}};
+    if (moe) {
+      setups.push_back({2, ExpertSharding::kSplitInside});
+      setups.push_back({2, ExpertSharding::kWholeExperts});
     }
-    // Then draft trees: node 0 hangs on the prefix, the others on random earlier nodes; the
-    // path 0 -> 1 -> 3 (when the tree has it) is accepted, so the commit moves rows.
-    std::vector<ForwardRequest> steps = {prefill};
-    for (int step = 0; step < 4; ++step) {
-      ForwardRequest request;
-      request.return_logits = true;
+    for (const RankSetup& setup : setups) {
+      SCOPED_TRACE(model.name + " " + setup.name());
+      const unsigned seed = 77;
+      std::mt19937 rng(seed);
+      const std::string dir = WriteModel(model);
+      auto cpu = MakeModel(dir, /*gpu=*/false);
+      auto gpu = MakeModel(dir, /*gpu=*/true, setup.world_size, setup.sharding);
+      ASSERT_NE(cpu, nullptr);
+      ASSERT_NE(gpu, nullptr);
+      const int64_t vocab = cpu->config().vocab_size;
+      Agreement agreement;
+
+      // Two sequences: prompts of 37 and 20 tokens as chains, with hidden states of layer 1.
+      ForwardRequest prefill;
+      prefill.return_logits = true;
       for (uint64_t id : {1, 2}) {
-        const int nodes = id == 1 ? 9 : 16;
-        std::vector<int32_t> parents(nodes);
-        for (int i = 0; i < nodes; ++i) {
-          parents[i] = i == 0 ? -1 : std::uniform_int_distribution<int>(0, i - 1)(rng);
-        }
-        parents[1] = 0;
-        parents[3] = 1;
-        SegmentInput segment{
-            .sequence_id = id, .token_ids = RandomTokens(nodes, vocab, rng), .parents = parents};
-        if (step == 0) {  // the whole prompt
-          segment.commit_nodes = std::vector<int32_t>(id == 1 ? 37 : 20);
-          std::iota(segment.commit_nodes->begin(), segment.commit_nodes->end(), 0);
-        } else {
-          segment.commit_nodes = std::vector<int32_t>{0, 1, 3};
-        }
-        request.segments.push_back(segment);
+        const int length = id == 1 ? 37 : 20;
+        prefill.segments.push_back({.sequence_id = id,
+                                    .token_ids = RandomTokens(length, vocab, rng),
+                                    .parents = SegmentTree::ChainParents(length),
+                                    .hidden_state_layers = {1}});
       }
-      steps.push_back(request);
-    }
-    for (size_t s = 0; s < steps.size(); ++s) {
-      auto cpu_result = cpu->Forward(steps[s]);
-      auto gpu_result = gpu->Forward(steps[s]);
-      ASSERT_TRUE(cpu_result.ok()) << cpu_result.status();
-      ASSERT_TRUE(gpu_result.ok()) << gpu_result.status();
-      for (size_t q = 0; q < steps[s].segments.size(); ++q) {
-        const SegmentOutput& c = cpu_result->segments[q];
-        const SegmentOutput& g = gpu_result->segments[q];
-        ASSERT_TRUE(c.status.ok()) << c.status;
-        ASSERT_TRUE(g.status.ok()) << g.status;
-        EXPECT_EQ(g.committed_length, c.committed_length);
-        const std::string what = "step " + std::to_string(s) + " sequence " + std::to_string(q);
-        ExpectAgreement(g.logits, c.logits, vocab, what, agreement);
-        // The summaries are the logits' (the host summary of the GPU logits, for now).
-        for (size_t r = 0; r < g.summaries.size(); ++r) {
-          const float* row = g.logits.data() + r * vocab;
-          EXPECT_EQ(g.summaries[r].argmax, std::max_element(row, row + vocab) - row) << what;
+      // Then draft trees: node 0 hangs on the prefix, the others on random earlier nodes; the
+      // path 0 -> 1 -> 3 (when the tree has it) is accepted, so the commit moves rows.
+      std::vector<ForwardRequest> steps = {prefill};
+      for (int step = 0; step < 4; ++step) {
+        ForwardRequest request;
+        request.return_logits = true;
+        for (uint64_t id : {1, 2}) {
+          const int nodes = id == 1 ? 9 : 16;
+          std::vector<int32_t> parents(nodes);
+          for (int i = 0; i < nodes; ++i) {
+            parents[i] = i == 0 ? -1 : std::uniform_int_distribution<int>(0, i - 1)(rng);
+          }
+          parents[1] = 0;
+          parents[3] = 1;
+          SegmentInput segment{
+              .sequence_id = id, .token_ids = RandomTokens(nodes, vocab, rng), .parents = parents};
+          if (step == 0) {  // the whole prompt
+            segment.commit_nodes = std::vector<int32_t>(id == 1 ? 37 : 20);
+            std::iota(segment.commit_nodes->begin(), segment.commit_nodes->end(), 0);
+          } else {
+            segment.commit_nodes = std::vector<int32_t>{0, 1, 3};
+          }
+          request.segments.push_back(segment);
         }
-        ASSERT_EQ(g.hidden_states.size(), c.hidden_states.size());
-        for (size_t h = 0; h < g.hidden_states.size(); ++h) {
-          const std::vector<float>& expected = c.hidden_states[h].values;
-          const std::vector<float>& actual = g.hidden_states[h].values;
-          ASSERT_EQ(actual.size(), expected.size());
-          for (size_t i = 0; i < actual.size(); ++i) {
-            ASSERT_NEAR(actual[i], expected[i], 0.02 * (1.0 + std::abs(expected[i])))
-                << what << " hidden state " << i;
+        steps.push_back(request);
+      }
+      for (size_t s = 0; s < steps.size(); ++s) {
+        auto cpu_result = cpu->Forward(steps[s]);
+        auto gpu_result = gpu->Forward(steps[s]);
+        ASSERT_TRUE(cpu_result.ok()) << cpu_result.status();
+        ASSERT_TRUE(gpu_result.ok()) << gpu_result.status();
+        for (size_t q = 0; q < steps[s].segments.size(); ++q) {
+          const tools::LocalSegmentResult& c = (*cpu_result)[q];
+          const tools::LocalSegmentResult& g = (*gpu_result)[q];
+          ASSERT_TRUE(c.status.ok()) << c.status;
+          ASSERT_TRUE(g.status.ok()) << g.status;
+          EXPECT_EQ(g.committed_length, c.committed_length);
+          const std::string what = "step " + std::to_string(s) + " sequence " + std::to_string(q);
+          CompareRows(g.logits, c.logits, vocab, what, agreement);
+          // The reduced summaries are the logits' (the host summary of the GPU logits, for now).
+          for (size_t r = 0; r < g.summaries.size(); ++r) {
+            const float* row = g.logits.data() + r * vocab;
+            EXPECT_EQ(g.summaries[r].argmax, std::max_element(row, row + vocab) - row) << what;
+          }
+          ASSERT_EQ(g.hidden_states.size(), c.hidden_states.size());
+          for (size_t h = 0; h < g.hidden_states.size(); ++h) {
+            const std::vector<float>& expected = c.hidden_states[h].values;
+            const std::vector<float>& actual = g.hidden_states[h].values;
+            ASSERT_EQ(actual.size(), expected.size());
+            for (size_t i = 0; i < actual.size(); ++i) {
+              ASSERT_NEAR(actual[i], expected[i], 0.02 * (1.0 + std::abs(expected[i])))
+                  << what << " hidden state " << i;
+            }
           }
         }
       }
+      std::cout << model.name << " " << setup.name() << ": " << agreement.disagreeing.size()
+                << " of " << agreement.rows << " rows disagree"
+                << " rows, max |log-softmax diff| " << agreement.worst << " (likely tokens), "
+                << agreement.worst_tail << " relative (the tail), argmax compared at "
+                << agreement.argmax_compared << "\n";
+      EXPECT_GT(agreement.argmax_compared, agreement.rows / 2) << "margins too small to test";
+      const int allowed = model.near_ties ? agreement.rows * kNearTieRowsPercent / 100 : 0;
+      EXPECT_LE(static_cast<int>(agreement.disagreeing.size()), allowed)
+          << agreement.disagreeing.size() << " of " << agreement.rows
+          << " rows disagree; the first: " << agreement.disagreeing.front();
     }
-    std::cout << model.name << ": " << agreement.rows << " rows, max |log-softmax diff| "
-              << agreement.worst << " (likely tokens), " << agreement.worst_tail
-              << " relative (the tail), argmax compared at " << agreement.argmax_compared << "\n";
-    EXPECT_GT(agreement.argmax_compared, agreement.rows / 2) << "margins too small to test";
   }
 }
 
 // On the GPU a tree node computes what the same tokens compute as a chain, up to the GPU's
 // batch-dependent rounding (the margin rule again, against the chain).
 TEST_F(CudaForwardTest, TreeNodesMatchTheirChainsOnTheGpu) {
-  const Model model = DenseModels()[2];
+  const Model model = Models().back();
   const unsigned seed = 78;
   std::mt19937 rng(seed);
   const std::string dir = WriteModel(model);
-  SoloCommunicator solo;
-  auto gpu = MakeRunner(dir, /*gpu=*/true, &solo);
+  auto gpu = MakeModel(dir, /*gpu=*/true);
   ASSERT_NE(gpu, nullptr);
   const int64_t vocab = gpu->config().vocab_size;
   const std::vector<int32_t> prompt = RandomTokens(29, vocab, rng);
@@ -276,13 +332,14 @@ TEST_F(CudaForwardTest, TreeNodesMatchTheirChainsOnTheGpu) {
   ASSERT_TRUE(result.ok()) << result.status();
   std::vector<float> tree_path_logits;
   for (int32_t node : path) {
-    const auto& logits = result->segments[0].logits;
+    const std::vector<float>& logits = (*result)[0].logits;
     tree_path_logits.insert(tree_path_logits.end(), logits.begin() + node * vocab,
                             logits.begin() + (node + 1) * vocab);
   }
   Agreement agreement;
-  ExpectAgreement(tree_path_logits, result->segments[1].logits, vocab, "tree vs chain", agreement);
+  CompareRows(tree_path_logits, (*result)[1].logits, vocab, "tree vs chain", agreement);
   std::cout << "tree vs chain: max |log-softmax diff| " << agreement.worst << "\n";
+  EXPECT_TRUE(agreement.disagreeing.empty()) << agreement.disagreeing.front();
 }
 
 }  // namespace

@@ -329,27 +329,26 @@ absl::Status CpuForward::Mlp(int64_t layer_index, const BatchInputs& batch,
        .method = c.topk_method,
        .normalize = c.norm_topk_prob,
        .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor)}));
-  const ShardingPlan& plan = weights_.plan;
-  TV_RETURN_IF_ERROR(
-      cpu::MoeExperts({.x = normed.data(),
-                       .topk_ids = topk_ids.data(),
-                       .topk_weights = topk_weights.data(),
-                       .gate_proj = moe.gate_ptrs.data(),
-                       .up_proj = moe.up_ptrs.data(),
-                       .down_proj = moe.down_ptrs.data(),
-                       .out = out.data(),
-                       .tokens = rows,
-                       .top_k = top_k,
-                       .hidden = hidden,
-                       .intermediate = plan.expert_intermediate.size(),
-                       .first_expert = static_cast<int32_t>(plan.experts.begin),
-                       .num_local_experts = static_cast<int32_t>(plan.experts.size())}));
+  std::vector<float> shared;
   if (moe.shared.intermediate > 0) {
-    std::vector<float> shared(rows * hidden);
+    shared.resize(rows * hidden);
     TV_RETURN_IF_ERROR(GatedMlp(moe.shared, normed.data(), rows, hidden, shared.data()));
-    for (size_t i = 0; i < shared.size(); ++i) out[i] += shared[i];
   }
-  return absl::OkStatus();
+  const ShardingPlan& plan = weights_.plan;
+  return cpu::MoeExperts({.x = normed.data(),
+                          .topk_ids = topk_ids.data(),
+                          .topk_weights = topk_weights.data(),
+                          .gate_proj = moe.gate_ptrs.data(),
+                          .up_proj = moe.up_ptrs.data(),
+                          .down_proj = moe.down_ptrs.data(),
+                          .out = out.data(),
+                          .tokens = rows,
+                          .top_k = top_k,
+                          .hidden = hidden,
+                          .intermediate = plan.expert_intermediate.size(),
+                          .first_expert = static_cast<int32_t>(plan.experts.begin),
+                          .num_local_experts = static_cast<int32_t>(plan.experts.size()),
+                          .shared_out = shared.empty() ? nullptr : shared.data()});
 }
 
 }  // namespace treeverify::worker

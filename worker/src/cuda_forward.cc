@@ -9,6 +9,7 @@
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
 #include "treeverify/kernels/status.h"
@@ -137,8 +138,12 @@ absl::Status CudaForward::Reserve(int64_t rows) {
   const int64_t q_lora = c.q_lora_rank.value_or(0);
   int64_t intermediate = 0;
   for (const DeviceLayerWeights& layer : weights_.layers) {
-    intermediate = std::max(intermediate, layer.dense.intermediate);
+    intermediate =
+        std::max({intermediate, layer.dense.intermediate, layer.moe.shared.intermediate});
   }
+  const int64_t experts = c.n_routed_experts;
+  const int64_t top_k = c.num_experts_per_tok;
+  const ShardingPlan& plan = weights_.plan;
   Activations& a = activations_;
   TV_RETURN_IF_ERROR(Grow(a.residual, capacity * c.hidden_size));
   TV_RETURN_IF_ERROR(Grow(a.normed, capacity * c.hidden_size));
@@ -154,7 +159,17 @@ absl::Status CudaForward::Reserve(int64_t rows) {
   TV_RETURN_IF_ERROR(Grow(a.values, capacity * heads * c.v_head_dim));
   TV_RETURN_IF_ERROR(Grow(a.gate_up, capacity * 2 * intermediate));
   TV_RETURN_IF_ERROR(Grow(a.activated, capacity * intermediate));
-  TV_RETURN_IF_ERROR(Grow(a.logits, capacity * weights_.plan.vocab.size()));
+  TV_RETURN_IF_ERROR(Grow(a.logits, capacity * plan.vocab.size()));
+  if (experts > 0) {
+    TV_RETURN_IF_ERROR(Grow(a.router_logits, capacity * experts));
+    TV_RETURN_IF_ERROR(Grow(a.topk_ids, capacity * top_k));
+    TV_RETURN_IF_ERROR(Grow(a.topk_weights, capacity * top_k));
+    TV_RETURN_IF_ERROR(Grow(a.shared_out, capacity * c.hidden_size));
+    TV_RETURN_IF_ERROR(Grow(a.moe_workspace, cuda::MoeExpertsWorkspaceBytes(
+                                                 capacity, static_cast<int32_t>(top_k),
+                                                 static_cast<int32_t>(plan.experts.size()),
+                                                 plan.expert_intermediate.size(), c.hidden_size)));
+  }
   a.capacity = capacity;
   return absl::OkStatus();
 }
@@ -471,10 +486,11 @@ absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batc
 
 absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {
   const DeviceLayerWeights& layer = weights_.layers[layer_index];
-  if (layer.is_moe) {
-    return absl::UnimplementedError("the CUDA backend does not run MoE layers yet (issue 5)");
-  }
-  const DeviceMlpWeights& mlp = layer.dense;
+  if (layer.is_moe) return Moe(layer.moe, rows);
+  return GatedMlp(layer.dense, rows, activations_.branch.get());
+}
+
+absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out) {
   Activations& a = activations_;
   const int64_t hidden = weights_.config.hidden_size;
   TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
@@ -489,11 +505,58 @@ absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {
       stream_));
   return gemm_->Run({.x = a.activated.get(),
                      .weight = mlp.down.get(),
-                     .y = a.branch.get(),
+                     .y = out,
                      .m = rows,
                      .n = hidden,
                      .k = mlp.intermediate},
                     stream_);
+}
+
+absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows) {
+  const ModelConfig& c = weights_.config;
+  const ShardingPlan& plan = weights_.plan;
+  Activations& a = activations_;
+  const int32_t experts = static_cast<int32_t>(c.n_routed_experts);
+  const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = moe.router.get(),
+                                 .y = a.router_logits.get(),
+                                 .m = rows,
+                                 .n = experts,
+                                 .k = c.hidden_size},
+                                stream_));
+  TV_RETURN_IF_ERROR(cuda::MoeRouting(
+      {.router_logits = a.router_logits.get(),
+       .correction_bias = moe.correction_bias.size() > 0 ? moe.correction_bias.get() : nullptr,
+       .topk_ids = a.topk_ids.get(),
+       .topk_weights = a.topk_weights.get(),
+       .tokens = rows,
+       .num_experts = experts,
+       .top_k = top_k,
+       .num_groups = static_cast<int32_t>(c.n_group),
+       .topk_groups = static_cast<int32_t>(c.topk_group),
+       .scoring = c.scoring_func,
+       .method = c.topk_method,
+       .normalize = c.norm_topk_prob,
+       .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor)},
+      stream_));
+  const bool shared = moe.shared.intermediate > 0;
+  if (shared) TV_RETURN_IF_ERROR(GatedMlp(moe.shared, rows, a.shared_out.get()));
+  return cuda::MoeExperts({.x = a.normed.get(),
+                           .topk_ids = a.topk_ids.get(),
+                           .topk_weights = a.topk_weights.get(),
+                           .gate_proj = moe.gate_ptrs.get(),
+                           .up_proj = moe.up_ptrs.get(),
+                           .down_proj = moe.down_ptrs.get(),
+                           .out = a.branch.get(),
+                           .tokens = rows,
+                           .top_k = top_k,
+                           .hidden = c.hidden_size,
+                           .intermediate = plan.expert_intermediate.size(),
+                           .first_expert = static_cast<int32_t>(plan.experts.begin),
+                           .num_local_experts = static_cast<int32_t>(plan.experts.size()),
+                           .shared_out = shared ? a.shared_out.get() : nullptr},
+                          a.moe_workspace.get(), a.moe_workspace.size(), stream_);
 }
 
 }  // namespace treeverify::worker

@@ -10,14 +10,36 @@
 namespace treeverify::worker {
 namespace {
 
+template <typename T>
+absl::StatusOr<DeviceArray<T>> Copy(const std::vector<T>& values) {
+  TV_ASSIGN_OR_RETURN(DeviceArray<T> array,
+                      DeviceArray<T>::Allocate(static_cast<int64_t>(values.size())));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(array.get(), values.data(), array.bytes(), cudaMemcpyHostToDevice));
+  return array;
+}
+
+// Rounded to bf16 (to nearest even), as the checkpoints' bf16 values already are.
 absl::StatusOr<DeviceArray<Bf16>> ToDevice(const std::vector<float>& values) {
   std::vector<Bf16> rounded(values.size());
   for (size_t i = 0; i < values.size(); ++i) rounded[i] = __float2bfloat16_rn(values[i]);
-  TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> array,
-                      DeviceArray<Bf16>::Allocate(static_cast<int64_t>(rounded.size())));
-  TV_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(array.get(), rounded.data(), array.bytes(), cudaMemcpyHostToDevice));
-  return array;
+  return Copy(rounded);
+}
+
+// Packs per-expert matrices into one array and returns pointers to each.
+absl::Status Pack(const std::vector<std::vector<float>>& matrices, DeviceArray<Bf16>& packed,
+                  DeviceArray<const Bf16*>& pointers) {
+  std::vector<float> all;
+  for (const std::vector<float>& m : matrices) all.insert(all.end(), m.begin(), m.end());
+  TV_ASSIGN_OR_RETURN(packed, ToDevice(all));
+  std::vector<const Bf16*> starts;
+  int64_t offset = 0;
+  for (const std::vector<float>& m : matrices) {
+    starts.push_back(packed.get() + offset);
+    offset += static_cast<int64_t>(m.size());
+  }
+  TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DeviceMlpWeights> ToDevice(const MlpWeights& mlp) {
@@ -39,10 +61,6 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
   TV_ASSIGN_OR_RETURN(device.lm_head, ToDevice(weights.lm_head));
   for (size_t l = 0; l < weights.layers.size(); ++l) {
     const LayerWeights& layer = weights.layers[l];
-    if (layer.is_moe) {
-      return absl::UnimplementedError(absl::StrCat(
-          "the CUDA backend does not run MoE layers yet (layer ", l, " is one; issue 5)"));
-    }
     DeviceLayerWeights& out = device.layers.emplace_back();
     TV_ASSIGN_OR_RETURN(out.input_norm, ToDevice(layer.input_norm));
     TV_ASSIGN_OR_RETURN(out.post_norm, ToDevice(layer.post_norm));
@@ -56,14 +74,21 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     TV_ASSIGN_OR_RETURN(d.w_uk_t, ToDevice(a.w_uk_t));
     TV_ASSIGN_OR_RETURN(d.w_uv, ToDevice(a.w_uv));
     TV_ASSIGN_OR_RETURN(d.o_proj, ToDevice(a.o_proj));
-    out.is_moe = false;
-    TV_ASSIGN_OR_RETURN(out.dense, ToDevice(layer.dense));
+    out.is_moe = layer.is_moe;
+    if (!layer.is_moe) {
+      TV_ASSIGN_OR_RETURN(out.dense, ToDevice(layer.dense));
+      continue;
+    }
+    const MoeWeights& moe = layer.moe;
+    TV_ASSIGN_OR_RETURN(out.moe.router, ToDevice(moe.router));
+    TV_ASSIGN_OR_RETURN(out.moe.correction_bias, Copy(moe.correction_bias));
+    TV_RETURN_IF_ERROR(Pack(moe.gate_proj, out.moe.gate, out.moe.gate_ptrs));
+    TV_RETURN_IF_ERROR(Pack(moe.up_proj, out.moe.up, out.moe.up_ptrs));
+    TV_RETURN_IF_ERROR(Pack(moe.down_proj, out.moe.down, out.moe.down_ptrs));
+    TV_ASSIGN_OR_RETURN(out.moe.shared, ToDevice(moe.shared));
   }
   const std::vector<float> inv_freq = weights.config.rope_inv_freq();
-  TV_ASSIGN_OR_RETURN(device.rope_inv_freq,
-                      DeviceArray<float>::Allocate(static_cast<int64_t>(inv_freq.size())));
-  TV_CUDA_RETURN_IF_ERROR(cudaMemcpy(device.rope_inv_freq.get(), inv_freq.data(),
-                                     device.rope_inv_freq.bytes(), cudaMemcpyHostToDevice));
+  TV_ASSIGN_OR_RETURN(device.rope_inv_freq, Copy(inv_freq));
   return device;
 }
 

@@ -4,7 +4,9 @@
 // 2^-8) and fp32 summation order, which the tolerances allow and nothing larger.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/gemm.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
 
@@ -409,6 +412,181 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
     CheckGemm<Bf16>(**gemm, c, rng);
   }
   EXPECT_EQ((*gemm)->planned_shapes(), 10);
+}
+
+struct RoutingCase {
+  MoeScoring scoring;
+  MoeTopkMethod method;
+  int32_t experts, top_k, groups, topk_groups;
+  bool normalize;
+};
+
+TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
+  const unsigned seed = 508;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t tokens = 19;
+  for (const RoutingCase& c : {
+           RoutingCase{MoeScoring::kSigmoid, MoeTopkMethod::kNoauxTc, 256, 8, 8, 4, true},  // V3
+           RoutingCase{MoeScoring::kSigmoid, MoeTopkMethod::kNoauxTc, 384, 8, 1, 1, true},  // K2
+           RoutingCase{MoeScoring::kSoftmax, MoeTopkMethod::kGreedy, 64, 6, 1, 1, false},
+           RoutingCase{MoeScoring::kSoftmax, MoeTopkMethod::kGroupLimitedGreedy, 160, 6, 8, 3,
+                       false},
+       }) {
+    SCOPED_TRACE(testing::Message() << c.experts << " experts, top " << c.top_k);
+    std::vector<float> logits = Random(rng, tokens * c.experts, 2.0f);
+    logits[5] = logits[6];  // a tie, which goes to the lower id
+    const std::vector<float> bias = Random(rng, c.experts, 0.1f);
+    MoeRoutingParams params{.tokens = tokens,
+                            .num_experts = c.experts,
+                            .top_k = c.top_k,
+                            .num_groups = c.groups,
+                            .topk_groups = c.topk_groups,
+                            .scoring = c.scoring,
+                            .method = c.method,
+                            .normalize = c.normalize,
+                            .routed_scaling_factor = 2.5f};
+    std::vector<int32_t> ids(tokens * c.top_k);
+    std::vector<float> weights(tokens * c.top_k);
+    params.router_logits = logits.data();
+    params.correction_bias = bias.data();
+    params.topk_ids = ids.data();
+    params.topk_weights = weights.data();
+    ASSERT_TRUE(cpu::MoeRouting(params).ok());
+    DeviceBuffer<float> d_logits(logits.size()), d_bias(bias.size()), d_weights(weights.size());
+    DeviceBuffer<int32_t> d_ids(ids.size());
+    d_logits.CopyFrom(logits);
+    d_bias.CopyFrom(bias);
+    params.router_logits = d_logits.get();
+    params.correction_bias = d_bias.get();
+    params.topk_ids = d_ids.get();
+    params.topk_weights = d_weights.get();
+    ASSERT_TRUE(MoeRouting(params, nullptr).ok());
+    EXPECT_EQ(d_ids.ToHost(), ids);
+    ExpectClose(d_weights.ToHost(), weights, 1e-6f, 0.0f, "routing weights");
+  }
+}
+
+struct ExpertsCase {
+  int64_t tokens, hidden, intermediate;
+  int32_t top_k, experts, first_expert, local_experts;
+  bool shared;
+};
+
+TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
+  const unsigned seed = 509;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const ExpertsCase& c : {
+           // Split inside: every expert local, a slice of its columns.
+           ExpertsCase{16, 256, 64, 4, 12, 0, 12, true},
+           // Whole experts: this rank holds experts [4, 10); tokens of others are skipped.
+           ExpertsCase{19, 128, 96, 3, 12, 4, 6, false},
+           // More tokens per expert than one pass (8), odd sizes that take the scalar path.
+           ExpertsCase{37, 76, 20, 2, 3, 0, 3, true},
+           ExpertsCase{1, 7168, 256, 8, 64, 0, 64, false},
+       }) {
+    SCOPED_TRACE(testing::Message() << c.tokens << " tokens, hidden " << c.hidden
+                                    << ", intermediate " << c.intermediate);
+    const std::vector<float> x = RoundToBf16(Random(rng, c.tokens * c.hidden));
+    std::vector<std::vector<float>> gate, up, down;
+    std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.hidden));
+    for (int32_t e = 0; e < c.local_experts; ++e) {
+      gate.push_back(RoundToBf16(Random(rng, c.intermediate * c.hidden, scale)));
+      up.push_back(RoundToBf16(Random(rng, c.intermediate * c.hidden, scale)));
+      down.push_back(RoundToBf16(Random(rng, c.hidden * c.intermediate, scale)));
+    }
+    for (int32_t e = 0; e < c.local_experts; ++e) {
+      gate_ptrs.push_back(gate[e].data());
+      up_ptrs.push_back(up[e].data());
+      down_ptrs.push_back(down[e].data());
+    }
+    // Random distinct ascending ids per token, random weights.
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      std::vector<int32_t> all(c.experts);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::sort(all.begin(), all.begin() + c.top_k);
+      ids.insert(ids.end(), all.begin(), all.begin() + c.top_k);
+      for (int32_t j = 0; j < c.top_k; ++j) {
+        weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+      }
+    }
+    const std::vector<float> shared = Random(rng, c.tokens * c.hidden);
+    std::vector<float> expected(c.tokens * c.hidden);
+    ASSERT_TRUE(cpu::MoeExperts({.x = x.data(),
+                                 .topk_ids = ids.data(),
+                                 .topk_weights = weights.data(),
+                                 .gate_proj = gate_ptrs.data(),
+                                 .up_proj = up_ptrs.data(),
+                                 .down_proj = down_ptrs.data(),
+                                 .out = expected.data(),
+                                 .tokens = c.tokens,
+                                 .top_k = c.top_k,
+                                 .hidden = c.hidden,
+                                 .intermediate = c.intermediate,
+                                 .first_expert = c.first_expert,
+                                 .num_local_experts = c.local_experts,
+                                 .shared_out = c.shared ? shared.data() : nullptr})
+                    .ok());
+
+    DeviceBuffer<Bf16> d_x(x.size());
+    d_x.CopyFrom(ToBf16(x));
+    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_weights;
+    std::vector<const Bf16*> d_gate, d_up, d_down;
+    for (int32_t e = 0; e < c.local_experts; ++e) {
+      for (auto* matrices : {&gate, &up, &down}) {
+        d_weights.push_back(std::make_unique<DeviceBuffer<Bf16>>((*matrices)[e].size()));
+        d_weights.back()->CopyFrom(ToBf16((*matrices)[e]));
+      }
+      d_gate.push_back(d_weights[3 * e]->get());
+      d_up.push_back(d_weights[3 * e + 1]->get());
+      d_down.push_back(d_weights[3 * e + 2]->get());
+    }
+    DeviceBuffer<const Bf16*> d_gate_ptrs(d_gate.size()), d_up_ptrs(d_up.size()),
+        d_down_ptrs(d_down.size());
+    d_gate_ptrs.CopyFrom(d_gate);
+    d_up_ptrs.CopyFrom(d_up);
+    d_down_ptrs.CopyFrom(d_down);
+    DeviceBuffer<int32_t> d_ids(ids.size());
+    DeviceBuffer<float> d_topk_weights(weights.size()), d_shared(shared.size()),
+        d_out(expected.size());
+    d_ids.CopyFrom(ids);
+    d_topk_weights.CopyFrom(weights);
+    d_shared.CopyFrom(shared);
+    const int64_t bytes =
+        MoeExpertsWorkspaceBytes(c.tokens, c.top_k, c.local_experts, c.intermediate, c.hidden);
+    DeviceBuffer<uint8_t> workspace(bytes);
+    const MoeExpertsParamsOf<Bf16, Bf16> params{.x = d_x.get(),
+                                                .topk_ids = d_ids.get(),
+                                                .topk_weights = d_topk_weights.get(),
+                                                .gate_proj = d_gate_ptrs.get(),
+                                                .up_proj = d_up_ptrs.get(),
+                                                .down_proj = d_down_ptrs.get(),
+                                                .out = d_out.get(),
+                                                .tokens = c.tokens,
+                                                .top_k = c.top_k,
+                                                .hidden = c.hidden,
+                                                .intermediate = c.intermediate,
+                                                .first_expert = c.first_expert,
+                                                .num_local_experts = c.local_experts,
+                                                .shared_out = c.shared ? d_shared.get() : nullptr};
+    ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
+    // The activations between the projections are bf16 on the GPU: allow their rounding,
+    // relative to the size of the output.
+    double scale_out = 0.0;
+    for (float v : expected) scale_out = std::max(scale_out, double{std::abs(v)});
+    ExpectClose(d_out.ToHost(), expected, 2 * kBf16Relative, 0.01f * scale_out, "experts");
+    // Twice the same launch, the same bytes.
+    const std::vector<float> first = d_out.ToHost();
+    ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
+    EXPECT_EQ(d_out.ToHost(), first);
+    EXPECT_EQ(MoeExperts(params, workspace.get(), bytes - 1, nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
 }
 
 // Parameter checks happen before any CUDA call, so they run without a GPU too.

@@ -10,7 +10,9 @@
 //  group_limited_greedy). Ties, left unspecified by torch.topk, go to the lower group or expert
 //  id. topk_ids come out in ascending expert id.
 // Expert computation sums each token's experts in ascending expert id, whatever the batch, so
-// the CPU backend stays batch invariant.
+// the CPU backend stays batch invariant; then the shared experts' output, if given, is added.
+// The routing params are fp32 on both backends; the experts' element types are template
+// parameters: fp32 on the CPU (MoeExpertsParams), bf16 activations and weights on the GPU.
 #pragma once
 
 #include <cstdint>
@@ -41,21 +43,24 @@ struct MoeRoutingParams {
 // The experts one rank holds, in the nn.Linear layout. With experts split inside (tensor
 // parallel) every expert is present with intermediate columns of 1/W; with whole experts per rank
 // (expert parallel) experts outside [first_expert, first_expert + num_local_experts) are skipped.
-struct MoeExpertsParams {
-  const float* x = nullptr;                 // [tokens, hidden]
-  const int32_t* topk_ids = nullptr;        // [tokens, top_k]
-  const float* topk_weights = nullptr;      // [tokens, top_k]
-  const float* const* gate_proj = nullptr;  // [num_local_experts] -> [intermediate, hidden]
-  const float* const* up_proj = nullptr;    // [num_local_experts] -> [intermediate, hidden]
-  const float* const* down_proj = nullptr;  // [num_local_experts] -> [hidden, intermediate]
-  float* out = nullptr;                     // [tokens, hidden], overwritten
+template <typename Input, typename Weight>
+struct MoeExpertsParamsOf {
+  const Input* x = nullptr;                  // [tokens, hidden]
+  const int32_t* topk_ids = nullptr;         // [tokens, top_k]
+  const float* topk_weights = nullptr;       // [tokens, top_k]
+  const Weight* const* gate_proj = nullptr;  // [num_local_experts] -> [intermediate, hidden]
+  const Weight* const* up_proj = nullptr;    // [num_local_experts] -> [intermediate, hidden]
+  const Weight* const* down_proj = nullptr;  // [num_local_experts] -> [hidden, intermediate]
+  float* out = nullptr;                      // [tokens, hidden], overwritten
   int64_t tokens = 0;
   int32_t top_k = 0;
   int64_t hidden = 0;
   int64_t intermediate = 0;  // per-rank columns of one expert
   int32_t first_expert = 0;
   int32_t num_local_experts = 0;
+  const float* shared_out = nullptr;  // [tokens, hidden], added last when set (shared experts)
 };
+using MoeExpertsParams = MoeExpertsParamsOf<float, float>;
 
 namespace cpu {
 absl::Status MoeRouting(const MoeRoutingParams& params);

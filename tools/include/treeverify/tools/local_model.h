@@ -25,7 +25,8 @@ struct LocalModelOptions {
   worker::ExpertSharding expert_sharding = worker::ExpertSharding::kSplitInside;
   int32_t kv_page_size = 64;
   int64_t kv_pages = 1024;
-  int32_t prefill_chunk = 256;  // rows per prefill forward (at most kMaxSegmentRows)
+  int32_t prefill_chunk = 256;             // rows per prefill forward (at most kMaxSegmentRows)
+  worker::ForwardFactory forward_factory;  // every rank's backend; empty: the CPU's
 };
 
 // The reduced result of one segment: per node, the full-vocabulary summary, and the full logits

@@ -8,9 +8,9 @@
 //     return MakeCudaForward(w, c, k, {.device_ordinal = 0});
 //   };
 //
-// Still to come (issue 5): MoE layers (refused for now), the fused LM-head summary (the logits
-// are copied to the host and summarized there), CUDA graphs, NCCL (with W > 1 the all-reduces
-// go through the host communicator).
+// Still to come (issue 5): the fused LM-head summary (the logits are copied to the host and
+// summarized there), CUDA graphs, NCCL (with W > 1 the all-reduces go through the host
+// communicator).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -63,21 +63,26 @@ class CudaForward final : public ForwardBackend {
   // Activations for up to `capacity` rows.
   struct Activations {
     int64_t capacity = 0;
-    DeviceArray<float> residual;   // [rows, hidden] the residual stream
-    DeviceArray<Bf16> normed;      // [rows, hidden] the next GEMM's input
-    DeviceArray<float> branch;     // [rows, hidden] attention or MLP output, then all-reduced
-    DeviceArray<float> q_a;        // [rows, q_lora_rank]
-    DeviceArray<Bf16> q_a_normed;  // [rows, q_lora_rank]
-    DeviceArray<Bf16> q;           // [rows, heads, qk_head_dim]
-    DeviceArray<Bf16> q_attn;      // [rows, heads, kv_lora_rank + rope]: the absorbed query
-    DeviceArray<float> kv_a;       // [rows, kv_lora_rank + rope]
-    DeviceArray<Bf16> kv_row;      // [rows, kv_lora_rank + rope]: the new cache rows
-    DeviceArray<Bf16> latent_out;  // [rows, heads, kv_lora_rank]
-    DeviceArray<float> lse;        // [rows, heads]
-    DeviceArray<Bf16> values;      // [rows, heads, v_head_dim]
-    DeviceArray<float> gate_up;    // [rows, 2 * intermediate]
-    DeviceArray<Bf16> activated;   // [rows, intermediate]
-    DeviceArray<float> logits;     // [rows, vocab shard]
+    DeviceArray<float> residual;       // [rows, hidden] the residual stream
+    DeviceArray<Bf16> normed;          // [rows, hidden] the next GEMM's input
+    DeviceArray<float> branch;         // [rows, hidden] attention or MLP output, then all-reduced
+    DeviceArray<float> q_a;            // [rows, q_lora_rank]
+    DeviceArray<Bf16> q_a_normed;      // [rows, q_lora_rank]
+    DeviceArray<Bf16> q;               // [rows, heads, qk_head_dim]
+    DeviceArray<Bf16> q_attn;          // [rows, heads, kv_lora_rank + rope]: the absorbed query
+    DeviceArray<float> kv_a;           // [rows, kv_lora_rank + rope]
+    DeviceArray<Bf16> kv_row;          // [rows, kv_lora_rank + rope]: the new cache rows
+    DeviceArray<Bf16> latent_out;      // [rows, heads, kv_lora_rank]
+    DeviceArray<float> lse;            // [rows, heads]
+    DeviceArray<Bf16> values;          // [rows, heads, v_head_dim]
+    DeviceArray<float> gate_up;        // [rows, 2 * intermediate]
+    DeviceArray<Bf16> activated;       // [rows, intermediate]
+    DeviceArray<float> logits;         // [rows, vocab shard]
+    DeviceArray<float> router_logits;  // [rows, n_routed_experts]
+    DeviceArray<int32_t> topk_ids;     // [rows, num_experts_per_tok]
+    DeviceArray<float> topk_weights;   // [rows, num_experts_per_tok]
+    DeviceArray<float> shared_out;     // [rows, hidden] the shared experts' output
+    DeviceArray<uint8_t> moe_workspace;
   };
   // The step's inputs on the device, packed in one buffer and copied in one go.
   struct StepInputs {
@@ -98,6 +103,9 @@ class CudaForward final : public ForwardBackend {
   absl::Status Upload(const BatchInputs& batch);
   absl::Status Attention(int64_t layer, const BatchInputs& batch);
   absl::Status Mlp(int64_t layer, int64_t rows);
+  // out = down(silu(gate . x) * (up . x)) of the normed rows.
+  absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out);
+  absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows);
   absl::Status AllReduce(float* data, int64_t count);
   absl::Status CopyToHost(const float* data, int64_t count, std::vector<float>& host);
   absl::StatusOr<const kernels::cuda::MlaVerifyPlan*> MlaPlanFor(

@@ -36,12 +36,23 @@ struct DeviceAttentionWeights {
   DeviceArray<Bf16> o_proj;     // [hidden, local_heads * v_head_dim]
 };
 
+struct DeviceMoeWeights {
+  DeviceArray<Bf16> router;            // [n_routed_experts, hidden]
+  DeviceArray<float> correction_bias;  // [n_routed_experts] (noaux_tc), else empty
+  // The held experts, in expert order, packed: [local, intermediate, hidden] (gate, up) and
+  // [local, hidden, intermediate] (down), intermediate being this rank's columns.
+  DeviceArray<Bf16> gate, up, down;
+  DeviceArray<const Bf16*> gate_ptrs, up_ptrs, down_ptrs;  // [local] into the arrays above
+  DeviceMlpWeights shared;                                 // intermediate 0 without shared
+};
+
 struct DeviceLayerWeights {
   DeviceArray<Bf16> input_norm;  // [hidden]
   DeviceArray<Bf16> post_norm;   // [hidden]
   DeviceAttentionWeights attention;
   bool is_moe = false;
   DeviceMlpWeights dense;  // when !is_moe
+  DeviceMoeWeights moe;    // when is_moe
 };
 
 struct DeviceWeights {
@@ -54,8 +65,8 @@ struct DeviceWeights {
   DeviceArray<float> rope_inv_freq;  // [qk_rope_head_dim / 2]
 };
 
-// The loaded weights rounded to bf16 (round to nearest even) on the current device.
-// UNIMPLEMENTED for MoE layers until the GPU MoE lands.
+// The loaded weights rounded to bf16 (round to nearest even) on the current device; the
+// correction bias stays fp32, as routing reads it.
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
 
 }  // namespace treeverify::worker

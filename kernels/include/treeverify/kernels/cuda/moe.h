@@ -1,0 +1,49 @@
+// Mixture of experts on the GPU with the CPU backend's params structs (device pointers).
+//
+// Routing: one block per token, the CPU op's rules step by step (sigmoid or softmax in double
+// rounded to fp32, group limiting with its masks, top-k ties to the lower id, ids ascending, the
+// normalization sum in double in ascending id order), so the ids match the CPU's for the same
+// logits and the weights match to the last bit or so.
+//
+// Experts: everything the host does not know (which experts are active, how many tokens each
+// has) stays in device memory, so one launch sequence serves any routing and a CUDA graph can
+// replay it:
+//   1. grouping (one block): each local expert's (token, slot) pairs in token order, and the list
+//      of active experts;
+//   2. gate and up (one warp per row pair): silu(gate . x) * (up . x) for the expert's tokens;
+//   3. down (one warp per row): the expert's output per (token, slot);
+//   4. combine (one block per token): sum of the weighted outputs in ascending expert id, then
+//      the shared experts' output.
+// Steps 2 and 3 stream only the active experts' weights, each row once per pass of up to 8 tokens,
+// in blocks that loop over (active expert, row tile) work items. At verify sizes (a few tokens per
+// expert) the phase is a weight-streaming problem: its floor is the active experts' bytes over the
+// copy bandwidth. No atomics anywhere: the bytes do not depend on scheduling.
+//
+//   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
+//                                            hidden);
+//   TV_RETURN_IF_ERROR(MoeRouting(routing_params, stream));
+//   TV_RETURN_IF_ERROR(MoeExperts(expert_params, workspace, bytes, stream));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/moe.h"
+
+namespace treeverify::kernels::cuda {
+
+absl::Status MoeRouting(const MoeRoutingParams& params, cudaStream_t stream);
+
+// Device memory MoeExperts needs for these sizes (256-byte aligned pieces).
+int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_local_experts,
+                                 int64_t intermediate, int64_t hidden);
+
+// gate_proj, up_proj and down_proj are device arrays of device pointers. workspace holds at
+// least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned.
+absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
+                        int64_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace treeverify::kernels::cuda
