@@ -24,7 +24,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
 gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
            tests/kernels/cuda_mla_verify_attention_test tests/worker/cuda_forward_test)
-gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe)
+gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench)
 # Small cases for compute-sanitizer, as test binary:gtest filter. memcheck and synccheck gate on
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck

@@ -33,7 +33,7 @@ absl::Status Embedding(const EmbeddingParamsOf<Bf16, float>& p, cudaStream_t str
   if (p.token_ids == nullptr || p.table == nullptr || p.out == nullptr) {
     return absl::InvalidArgumentError("cuda::Embedding: token_ids, table and out must be non-null");
   }
-  EmbeddingKernel<<<static_cast<unsigned>(p.tokens), 256, 0, stream>>>(
+  EmbeddingKernel<<<static_cast<unsigned>(p.tokens), 1024, 0, stream>>>(
       p.token_ids, p.table, p.out, p.hidden, p.vocab_begin, p.vocab_end);
   return CudaStatus(cudaGetLastError(), "EmbeddingKernel launch");
 }

@@ -24,6 +24,9 @@
 #include "treeverify/v1/worker.grpc.pb.h"
 #include "treeverify/worker/gloo_communicator.h"
 #include "treeverify/worker/model_runner.h"
+#ifdef TREEVERIFY_HAVE_CUDA
+#include "treeverify/worker/cuda_forward.h"
+#endif
 
 ABSL_FLAG(int32_t, rank, -1, "This worker's rank in [0, world size)");
 ABSL_FLAG(int32_t, world_size, 1, "Tensor-parallel ranks of the replica");
@@ -33,7 +36,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "Address of the Worker service (port 0 picks a free one, printed on stdout). Its host "
           "is also where the Gloo group connects and what the coordinator is told; a wildcard "
           "host (0.0.0.0) announces this machine's host name");
-ABSL_FLAG(std::string, backend, "cpu", "cpu (cuda: a later issue)");
+ABSL_FLAG(std::string, backend, "cpu",
+          "cpu, or cuda: the forward on a GPU (builds with a CUDA toolkit only)");
+ABSL_FLAG(int32_t, gpu, 0,
+          "With --backend cuda, the device ordinal (among those CUDA_VISIBLE_DEVICES shows)");
 ABSL_FLAG(int64_t, kv_pages, 1024, "KV cache pages of this rank");
 ABSL_FLAG(int32_t, kv_page_size, 64, "Tokens per KV cache page");
 ABSL_FLAG(std::string, expert_sharding, "split",
@@ -81,20 +87,30 @@ absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
         "--rank must be in [0, --world-size = ", options.world_size, "), got ", options.rank));
   }
   if (absl::Status status = options.Validate(); !status.ok()) return status;
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cuda") {
+#ifdef TREEVERIFY_HAVE_CUDA
+    const worker::CudaForwardOptions cuda{.device_ordinal = absl::GetFlag(FLAGS_gpu)};
+    if (absl::Status status = cuda.Validate(); !status.ok()) return status;
+    options.forward_factory = [cuda](const worker::ModelWeights& weights,
+                                     const worker::KvCacheOptions& cache,
+                                     worker::Communicator* communicator) {
+      return worker::MakeCudaForward(weights, cache, communicator, cuda);
+    };
+#else
+    return absl::FailedPreconditionError(
+        "--backend cuda: this treeverify-worker was built without a CUDA toolkit; rebuild "
+        "where nvcc is found (TREEVERIFY_CUDA=ON) or run --backend cpu");
+#endif
+  } else if (backend != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be cpu or cuda, got '", backend, "'"));
+  }
   return options;
 }
 
 absl::Status Run(SignalWaiter& signals) {
   const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (backend == "cuda") {
-    return absl::FailedPreconditionError(
-        "--backend cuda: the CUDA worker is not available yet (it lands with a later issue); "
-        "run --backend cpu");
-  }
-  if (backend != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend must be cpu or cuda, got '", backend, "'"));
-  }
   absl::StatusOr<worker::ModelRunnerOptions> runner_options = RunnerOptionsFromFlags();
   if (!runner_options.ok()) return Context(runner_options.status(), "invalid flags");
   const std::string coordinator_address = absl::GetFlag(FLAGS_coordinator);
@@ -174,7 +190,7 @@ int main(int argc, char** argv) {
   return treeverify::services::ProcessMain(
       argc, argv, treeverify::services::kProgram,
       "treeverify-worker --rank R --world-size W --coordinator HOST:PORT --model DIR\n"
-      "    [--listen ADDR] [--backend cpu|cuda] [--kv-pages N] [--kv-page-size 64]\n"
+      "    [--listen ADDR] [--backend cpu|cuda] [--gpu N] [--kv-pages N] [--kv-page-size 64]\n"
       "    [--expert-sharding split|whole] [--collective-timeout-s 60] [--group-epoch 1]\n"
       "One tensor-parallel rank. Flags may be written with dashes or underscores.",
       treeverify::services::Run);

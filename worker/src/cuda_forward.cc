@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "treeverify/kernels/cuda/activation.h"
+#include "treeverify/kernels/cuda/copy_bandwidth.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
@@ -78,18 +79,16 @@ absl::StatusOr<ForwardParts> MakeCudaForward(const ModelWeights& weights,
   TV_ASSIGN_OR_RETURN(DeviceWeights device_weights, UploadWeights(weights));
   TV_ASSIGN_OR_RETURN(std::unique_ptr<CudaKvStorage> rows,
                       CudaKvStorage::Create(cache, stream.get()));
-  TV_ASSIGN_OR_RETURN(
-      std::unique_ptr<CudaForward> backend,
-      CudaForward::Create(std::move(device_weights), *rows, communicator, device, stream.get()));
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<CudaForward> backend,
+                      CudaForward::Create(std::move(device_weights), *rows, communicator, device,
+                                          stream.get(), options));
   stream.release();  // the backend owns it now
   return ForwardParts{.kv_rows = std::move(rows), .backend = std::move(backend)};
 }
 
-absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(DeviceWeights weights,
-                                                                 CudaKvStorage& kv_rows,
-                                                                 Communicator* communicator,
-                                                                 const cuda::DeviceInfo& device,
-                                                                 cudaStream_t stream) {
+absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
+    DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
+    const cuda::DeviceInfo& device, cudaStream_t stream, const CudaForwardOptions& options) {
   const ModelConfig& c = weights.config;
   if (kv_rows.options().num_layers != c.num_hidden_layers ||
       kv_rows.options().row_dim != c.kv_row_dim()) {
@@ -105,8 +104,17 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(DeviceWeights w
                                                    c.num_hidden_layers));
   }
   TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
-  return std::unique_ptr<CudaForward>(
+  std::unique_ptr<CudaForward> forward(
       new CudaForward(std::move(weights), kv_rows, communicator, device, stream, std::move(gemm)));
+  if (options.account_steps) {
+    forward->account_steps_ = true;
+    TV_ASSIGN_OR_RETURN(forward->copy_bytes_per_second_,
+                        cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream));
+    TV_ASSIGN_OR_RETURN(forward->active_experts_,
+                        DeviceArray<int32_t>::Allocate(c.num_hidden_layers));
+    TV_RETURN_IF_ERROR(kv_rows.EnableAccounting());
+  }
+  return forward;
 }
 
 CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
@@ -124,7 +132,66 @@ CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communic
 
 CudaForward::~CudaForward() {
   cudaStreamSynchronize(stream_);
+  for (cudaEvent_t event : events_) cudaEventDestroy(event);
   cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaForward::StartAccount() {
+  marks_.clear();
+  if (!account_steps_) return absl::OkStatus();
+  if (events_.empty()) {
+    cudaEvent_t event;
+    TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));
+    events_.push_back(event);
+  }
+  return cuda::CudaStatus(cudaEventRecord(events_[0], stream_), "cudaEventRecord");
+}
+
+absl::Status CudaForward::Mark(StepPhase phase) {
+  if (!account_steps_) return absl::OkStatus();
+  const size_t next = marks_.size() + 1;
+  if (events_.size() <= next) {
+    cudaEvent_t event;
+    TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));
+    events_.push_back(event);
+  }
+  marks_.push_back(phase);
+  return cuda::CudaStatus(cudaEventRecord(events_[next], stream_), "cudaEventRecord");
+}
+
+absl::Status CudaForward::Account(const BatchInputs& batch) {
+  if (!account_steps_) return absl::OkStatus();
+  StepAccount account;
+  account.copy_bytes_per_second = copy_bytes_per_second_;
+  account.rows = batch.rows();
+  TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size()]));
+  for (size_t i = 0; i < marks_.size(); ++i) {
+    float ms = 0.0f;
+    TV_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+    account.phase(marks_[i]).gpu_seconds += ms * 1e-3;
+  }
+  TV_ASSIGN_OR_RETURN(const CudaKvStorage::Commits commits, kv_rows_.TakeCommits());
+  account.phase(StepPhase::kKvCommit).gpu_seconds = commits.gpu_seconds;
+  for (const PhaseAccount& phase : account.phases) account.total_gpu_seconds += phase.gpu_seconds;
+
+  const ModelConfig& c = weights_.config;
+  StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
+                         batch.row_offsets[s]);
+  }
+  shape.active_experts.assign(c.num_hidden_layers, 0);
+  if (c.n_routed_experts > 0) {
+    TV_CUDA_RETURN_IF_ERROR(cudaMemcpy(shape.active_experts.data(), active_experts_.get(),
+                                       active_experts_.bytes(), cudaMemcpyDeviceToHost));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (!c.is_moe_layer(l)) shape.active_experts[l] = 0;
+    }
+  }
+  account.active_experts = shape.active_experts;
+  ModelStepBytes(c, weights_.plan, shape, account);
+  last_account_ = std::move(account);
+  return absl::OkStatus();
 }
 
 absl::Status CudaForward::Reserve(int64_t rows) {
@@ -245,6 +312,7 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
   if (rows == 0) return absl::OkStatus();
   TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
   TV_RETURN_IF_ERROR(Reserve(rows));
+  TV_RETURN_IF_ERROR(StartAccount());
   TV_RETURN_IF_ERROR(Upload(batch));
   Activations& a = activations_;
   const int64_t hidden = c.hidden_size;
@@ -259,7 +327,9 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
                        .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
                        .vocab_end = static_cast<int32_t>(weights_.plan.vocab.end)},
                       stream_));
+  TV_RETURN_IF_ERROR(Mark(StepPhase::kEmbed));
   TV_RETURN_IF_ERROR(AllReduce(a.residual.get(), rows * hidden));
+  TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
   if (batch.capture_layer[0]) {
     TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[0]));
   }
@@ -283,10 +353,14 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
       TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[l]));
     }
     TV_RETURN_IF_ERROR(Attention(l, batch));
+    TV_RETURN_IF_ERROR(Mark(StepPhase::kAttention));
     TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
+    TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
     TV_RETURN_IF_ERROR(norm(layer.post_norm.get(), /*add_branch=*/true));
     TV_RETURN_IF_ERROR(Mlp(l, rows));
+    TV_RETURN_IF_ERROR(Mark(StepPhase::kMoe));
     TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
+    TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
   }
   TV_RETURN_IF_ERROR(norm(weights_.final_norm.get(), /*add_branch=*/c.num_hidden_layers > 0));
   if (batch.capture_layer[c.num_hidden_layers]) {
@@ -302,9 +376,11 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
                                  .n = vocab_shard,
                                  .k = hidden},
                                 stream_));
+  TV_RETURN_IF_ERROR(Mark(StepPhase::kLmHead));
   // The fused LM-head summary is still to come: summarize on the host for now.
   std::vector<float> logits;
   TV_RETURN_IF_ERROR(CopyToHost(a.logits.get(), rows * vocab_shard, logits));
+  TV_RETURN_IF_ERROR(Account(batch));
   TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
                                      static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
   if (batch.return_logits) outputs.logits = std::move(logits);
@@ -486,7 +562,9 @@ absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batc
 
 absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {
   const DeviceLayerWeights& layer = weights_.layers[layer_index];
-  if (layer.is_moe) return Moe(layer.moe, rows);
+  if (layer.is_moe) {
+    return Moe(layer.moe, rows, account_steps_ ? active_experts_.get() + layer_index : nullptr);
+  }
   return GatedMlp(layer.dense, rows, activations_.branch.get());
 }
 
@@ -512,7 +590,7 @@ absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, fl
                     stream_);
 }
 
-absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows) {
+absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count) {
   const ModelConfig& c = weights_.config;
   const ShardingPlan& plan = weights_.plan;
   Activations& a = activations_;
@@ -556,7 +634,7 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows) {
                            .first_expert = static_cast<int32_t>(plan.experts.begin),
                            .num_local_experts = static_cast<int32_t>(plan.experts.size()),
                            .shared_out = shared ? a.shared_out.get() : nullptr},
-                          a.moe_workspace.get(), a.moe_workspace.size(), stream_);
+                          a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count);
 }
 
 }  // namespace treeverify::worker

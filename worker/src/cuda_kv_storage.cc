@@ -40,6 +40,9 @@ absl::Status CudaKvStorage::MoveRows(absl::Span<const int64_t> src_slots,
     }
   }
   if (count == 0) return absl::OkStatus();
+  if (first_move_ != nullptr && moves_ == 0) {
+    TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(first_move_, stream_));
+  }
   if (move_slots_.size() < 2 * count) {
     // Earlier moves may still be reading the old list: the stream finishes them first.
     TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -51,14 +54,42 @@ absl::Status CudaKvStorage::MoveRows(absl::Span<const int64_t> src_slots,
   TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(move_slots_.get(), lists.data(),
                                           lists.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
                                           stream_));
-  return kernels::cuda::KvCopy({.src_slots = move_slots_.get(),
-                                .dst_slots = move_slots_.get() + count,
-                                .cache = rows_.get(),
-                                .count = count,
-                                .row_dim = options_.row_dim,
-                                .num_slots = options_.num_slots(),
-                                .num_layers = options_.num_layers},
-                               stream_);
+  TV_RETURN_IF_ERROR(kernels::cuda::KvCopy({.src_slots = move_slots_.get(),
+                                            .dst_slots = move_slots_.get() + count,
+                                            .cache = rows_.get(),
+                                            .count = count,
+                                            .row_dim = options_.row_dim,
+                                            .num_slots = options_.num_slots(),
+                                            .num_layers = options_.num_layers},
+                                           stream_));
+  if (first_move_ != nullptr) {
+    moves_ += count;
+    TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(last_move_, stream_));
+  }
+  return absl::OkStatus();
+}
+
+CudaKvStorage::~CudaKvStorage() {
+  if (first_move_ != nullptr) cudaEventDestroy(first_move_);
+  if (last_move_ != nullptr) cudaEventDestroy(last_move_);
+}
+
+absl::Status CudaKvStorage::EnableAccounting() {
+  if (first_move_ != nullptr) return absl::OkStatus();
+  TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&first_move_));
+  TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&last_move_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CudaKvStorage::Commits> CudaKvStorage::TakeCommits() {
+  Commits commits;
+  if (first_move_ == nullptr || moves_ == 0) return commits;
+  TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_move_));
+  float ms = 0.0f;
+  TV_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, first_move_, last_move_));
+  commits.gpu_seconds = ms * 1e-3;
+  commits.moves = std::exchange(moves_, 0);
+  return commits;
 }
 
 }  // namespace treeverify::worker

@@ -2,9 +2,11 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "treeverify/kernels/cuda/device_fill.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::worker {
@@ -89,6 +91,106 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
   }
   const std::vector<float> inv_freq = weights.config.rope_inv_freq();
   TV_ASSIGN_OR_RETURN(device.rope_inv_freq, Copy(inv_freq));
+  return device;
+}
+
+namespace {
+
+// Allocates and fills random tensors, each from its own seed.
+class RandomTensors {
+ public:
+  explicit RandomTensors(uint32_t seed) : seed_(seed) {}
+
+  // Uniform with std 1/sqrt(fan_in) * scale (a uniform in [-a, a) has std a/sqrt(3)).
+  absl::StatusOr<DeviceArray<Bf16>> Projection(int64_t rows, int64_t fan_in, double scale = 1.0) {
+    return Uniform(rows * fan_in, std::sqrt(3.0 / static_cast<double>(fan_in)) * scale);
+  }
+  absl::StatusOr<DeviceArray<Bf16>> Uniform(int64_t count, double half_width) {
+    TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> array, DeviceArray<Bf16>::Allocate(count));
+    TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(
+        array.get(), count, static_cast<float>(half_width), ++seed_, nullptr));
+    return array;
+  }
+  absl::StatusOr<DeviceArray<Bf16>> Ones(int64_t count) {
+    TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> array, DeviceArray<Bf16>::Allocate(count));
+    TV_RETURN_IF_ERROR(kernels::cuda::FillConstant(array.get(), count, 1.0f, nullptr));
+    return array;
+  }
+  absl::StatusOr<DeviceMlpWeights> Mlp(int64_t intermediate, int64_t hidden) {
+    DeviceMlpWeights mlp;
+    mlp.intermediate = intermediate;
+    if (intermediate == 0) return mlp;
+    TV_ASSIGN_OR_RETURN(mlp.gate_up, Projection(2 * intermediate, hidden));
+    TV_ASSIGN_OR_RETURN(mlp.down, Projection(hidden, intermediate));
+    return mlp;
+  }
+  // `count` matrices of rows x fan_in in one array, and their pointers.
+  absl::Status Experts(int64_t count, int64_t rows, int64_t fan_in, DeviceArray<Bf16>& packed,
+                       DeviceArray<const Bf16*>& pointers) {
+    TV_ASSIGN_OR_RETURN(packed, Projection(count * rows, fan_in));
+    std::vector<const Bf16*> starts;
+    for (int64_t e = 0; e < count; ++e) starts.push_back(packed.get() + e * rows * fan_in);
+    TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
+    return absl::OkStatus();
+  }
+
+ private:
+  uint32_t seed_;
+};
+
+}  // namespace
+
+absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const ShardingPlan& plan,
+                                                  uint32_t seed) {
+  RandomTensors random(seed);
+  DeviceWeights device;
+  device.config = c;
+  device.plan = plan;
+  const int64_t hidden = c.hidden_size;
+  const int64_t heads = plan.heads.size();
+  const int64_t lora = c.kv_lora_rank;
+  TV_ASSIGN_OR_RETURN(device.embedding, random.Uniform(plan.vocab.size() * hidden, 1.7));
+  TV_ASSIGN_OR_RETURN(device.final_norm, random.Ones(hidden));
+  TV_ASSIGN_OR_RETURN(device.lm_head, random.Projection(plan.vocab.size(), hidden, 8.0));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    DeviceLayerWeights& layer = device.layers.emplace_back();
+    TV_ASSIGN_OR_RETURN(layer.input_norm, random.Ones(hidden));
+    TV_ASSIGN_OR_RETURN(layer.post_norm, random.Ones(hidden));
+    DeviceAttentionWeights& a = layer.attention;
+    if (c.q_lora_rank) {
+      TV_ASSIGN_OR_RETURN(a.q_a_proj, random.Projection(*c.q_lora_rank, hidden));
+      TV_ASSIGN_OR_RETURN(a.q_a_norm, random.Ones(*c.q_lora_rank));
+      TV_ASSIGN_OR_RETURN(a.q_proj, random.Projection(heads * c.qk_head_dim(), *c.q_lora_rank));
+    } else {
+      TV_ASSIGN_OR_RETURN(a.q_proj, random.Projection(heads * c.qk_head_dim(), hidden));
+    }
+    TV_ASSIGN_OR_RETURN(a.kv_a_proj, random.Projection(c.kv_row_dim(), hidden));
+    TV_ASSIGN_OR_RETURN(a.kv_a_norm, random.Ones(lora));
+    TV_ASSIGN_OR_RETURN(a.w_uk_t, random.Projection(heads * lora, c.qk_nope_head_dim));
+    TV_ASSIGN_OR_RETURN(a.w_uv, random.Projection(heads * c.v_head_dim, lora));
+    TV_ASSIGN_OR_RETURN(a.o_proj, random.Projection(hidden, heads * c.v_head_dim));
+    layer.is_moe = c.is_moe_layer(l);
+    if (!layer.is_moe) {
+      TV_ASSIGN_OR_RETURN(layer.dense, random.Mlp(plan.dense_intermediate.size(), hidden));
+      continue;
+    }
+    DeviceMoeWeights& moe = layer.moe;
+    TV_ASSIGN_OR_RETURN(moe.router, random.Projection(c.n_routed_experts, hidden, 2.0));
+    if (c.topk_method == kernels::MoeTopkMethod::kNoauxTc) {
+      TV_ASSIGN_OR_RETURN(moe.correction_bias, DeviceArray<float>::Allocate(c.n_routed_experts));
+      TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(moe.correction_bias.get(), c.n_routed_experts,
+                                                    0.05f, seed ^ l, nullptr));
+    }
+    const int64_t local = plan.experts.size();
+    const int64_t intermediate = plan.expert_intermediate.size();
+    TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.gate, moe.gate_ptrs));
+    TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.up, moe.up_ptrs));
+    TV_RETURN_IF_ERROR(random.Experts(local, hidden, intermediate, moe.down, moe.down_ptrs));
+    TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
+  }
+  const std::vector<float> inv_freq = c.rope_inv_freq();
+  TV_ASSIGN_OR_RETURN(device.rope_inv_freq, Copy(inv_freq));
+  TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return device;
 }
 

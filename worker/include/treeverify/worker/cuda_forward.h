@@ -17,6 +17,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -31,11 +32,15 @@
 #include "treeverify/worker/forward_backend.h"
 #include "treeverify/worker/kv_storage.h"
 #include "treeverify/worker/model_weights.h"
+#include "treeverify/worker/step_accounting.h"
 
 namespace treeverify::worker {
 
 struct CudaForwardOptions {
   int device_ordinal = 0;
+  // Keep a StepAccount of every step (step_accounting.h): events between the phases, the active
+  // experts per layer, and the copy bandwidth measured once at creation (a few milliseconds).
+  bool account_steps = false;
   absl::Status Validate() const;
 };
 
@@ -52,10 +57,12 @@ class CudaForward final : public ForwardBackend {
   // communicator must outlive the backend.
   static absl::StatusOr<std::unique_ptr<CudaForward>> Create(
       DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
-      const kernels::cuda::DeviceInfo& device, cudaStream_t stream);
+      const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
+      const CudaForwardOptions& options);
   ~CudaForward() override;
 
   absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) override;
+  std::optional<StepAccount> last_step_account() const override { return last_account_; }
 
   cudaStream_t stream() const { return stream_; }
 
@@ -99,13 +106,19 @@ class CudaForward final : public ForwardBackend {
   CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
               const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
               std::unique_ptr<kernels::cuda::GemmRunner> gemm);
+  // Accounting: Mark records an event that closes the interval since the previous one, which
+  // counts to `phase`; Account turns the step's intervals into last_account_.
+  absl::Status StartAccount();
+  absl::Status Mark(StepPhase phase);
+  absl::Status Account(const BatchInputs& batch);
   absl::Status Reserve(int64_t rows);
   absl::Status Upload(const BatchInputs& batch);
   absl::Status Attention(int64_t layer, const BatchInputs& batch);
   absl::Status Mlp(int64_t layer, int64_t rows);
   // out = down(silu(gate . x) * (up . x)) of the normed rows.
   absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out);
-  absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows);
+  // active_count (device): where the MoE grouping writes the layer's active experts, or null.
+  absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count);
   absl::Status AllReduce(float* data, int64_t count);
   absl::Status CopyToHost(const float* data, int64_t count, std::vector<float>& host);
   absl::StatusOr<const kernels::cuda::MlaVerifyPlan*> MlaPlanFor(
@@ -125,6 +138,13 @@ class CudaForward final : public ForwardBackend {
   DeviceArray<uint8_t> mla_workspace_;
   float rope_attention_factor_ = 1.0f;
   float softmax_scale_ = 1.0f;
+
+  bool account_steps_ = false;
+  double copy_bytes_per_second_ = 0.0;
+  std::vector<cudaEvent_t> events_;  // a pool; events_[0] opens the step
+  std::vector<StepPhase> marks_;     // marks_[i] closes the interval events_[i] .. events_[i + 1]
+  DeviceArray<int32_t> active_experts_;  // [layers] written by the MoE grouping
+  std::optional<StepAccount> last_account_;
 };
 
 }  // namespace treeverify::worker

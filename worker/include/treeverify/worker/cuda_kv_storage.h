@@ -25,6 +25,15 @@ class CudaKvStorage final : public KvStorage {
   absl::Status MoveRows(absl::Span<const int64_t> src_slots,
                         absl::Span<const int64_t> dst_slots) override;
 
+  // With accounting on, the moves since the last TakeCommits() are timed (on the stream): their
+  // GPU seconds (once the stream has passed them) and how many rows moved.
+  struct Commits {
+    double gpu_seconds = 0.0;
+    int64_t moves = 0;
+  };
+  absl::Status EnableAccounting();
+  absl::StatusOr<Commits> TakeCommits();
+
   // One layer's rows: [num_slots, row_dim].
   kernels::cuda::Bf16* layer_data(int64_t layer) const {
     return rows_.get() + layer * options_.num_slots() * options_.row_dim;
@@ -37,6 +46,13 @@ class CudaKvStorage final : public KvStorage {
   cudaStream_t stream_;
   DeviceArray<kernels::cuda::Bf16> rows_;
   DeviceArray<int64_t> move_slots_;  // [2, capacity]: sources, then destinations
+  // Accounting: events before the first and after the last move since TakeCommits.
+  cudaEvent_t first_move_ = nullptr;
+  cudaEvent_t last_move_ = nullptr;
+  int64_t moves_ = 0;
+
+ public:
+  ~CudaKvStorage() override;
 };
 
 }  // namespace treeverify::worker

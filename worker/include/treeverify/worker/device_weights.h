@@ -69,4 +69,11 @@ struct DeviceWeights {
 // correction bias stays fp32, as routing reads it.
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
 
+// Random weights of this rank's shapes for benchmarks (the Kimi-K2 rank has no
+// checkpoint here): projections uniform with std 1/sqrt(fan_in), the router twice that, norms 1,
+// the correction bias within +-0.05, the LM head with std 8/sqrt(hidden) as the tiny models'.
+// Values depend on (seed, tensor), not on the launch.
+absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& config,
+                                                  const ShardingPlan& plan, uint32_t seed);
+
 }  // namespace treeverify::worker

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,6 +21,7 @@
 #include "treeverify/worker/communicator.h"
 #include "treeverify/worker/kv_storage.h"
 #include "treeverify/worker/model_weights.h"
+#include "treeverify/worker/step_accounting.h"
 
 namespace treeverify::worker {
 
@@ -72,6 +74,9 @@ class ForwardBackend {
   // group calls it with the same inputs (they meet in all-reduces). An error fails the whole
   // batch: per-sequence problems were refused before the inputs were built.
   virtual absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) = 0;
+  // The last step's phases, times and modeled bytes, where the backend keeps an account (the GPU
+  // backend with accounting on); nullopt otherwise.
+  virtual std::optional<StepAccount> last_step_account() const { return std::nullopt; }
 };
 
 // A backend and the storage of the KV rows it reads and writes: KvCache owns the storage, the

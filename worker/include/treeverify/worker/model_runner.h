@@ -102,6 +102,8 @@ class ModelRunner {
 
   // Fails as a whole only for errors that concern every sequence (a collective failed).
   absl::StatusOr<ForwardResult> Forward(const ForwardRequest& request);
+  // The last Forward's phase account, where the backend keeps one (forward_backend.h).
+  std::optional<StepAccount> last_step_account() const { return backend_->last_step_account(); }
   // Drops a sequence's cache pages. NOT_FOUND for an unknown id.
   absl::Status Release(uint64_t sequence_id);
 

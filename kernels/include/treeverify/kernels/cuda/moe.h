@@ -10,14 +10,17 @@
 // replay it:
 //   1. grouping (one block): each local expert's (token, slot) pairs in token order, and the list
 //      of active experts;
-//   2. gate and up (one warp per row pair): silu(gate . x) * (up . x) for the expert's tokens;
-//   3. down (one warp per row): the expert's output per (token, slot);
-//   4. combine (one block per token): sum of the weighted outputs in ascending expert id, then
+//   2. gate and up (a warp per row pair, gate in one half, up in the other): silu(gate . x) *
+//      (up . x) for the expert's tokens;
+//   3. down (a group of 4 lanes per row, 8 rows per warp): the expert's output per (token, slot);
+//   4. combine (a block per token and 256 columns): sum of the weighted outputs in ascending expert
+//   id, then
 //      the shared experts' output.
 // Steps 2 and 3 stream only the active experts' weights, each row once per pass of up to 8 tokens,
-// in blocks that loop over (active expert, row tile) work items. At verify sizes (a few tokens per
-// expert) the phase is a weight-streaming problem: its floor is the active experts' bytes over the
-// copy bandwidth. No atomics anywhere: the bytes do not depend on scheduling.
+// in blocks that loop over (active expert, row tile) work items, with 8 chunks of 16 bytes per
+// lane in flight (bench/NOTES.md, step 79: 1.3 and 0.9 TB/s so far). At verify sizes (a few tokens
+// per expert) the phase is a weight-streaming problem: its floor is the active experts' bytes over
+// the copy bandwidth. No atomics anywhere: the bytes do not depend on scheduling.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);
@@ -42,8 +45,10 @@ int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_loca
                                  int64_t intermediate, int64_t hidden);
 
 // gate_proj, up_proj and down_proj are device arrays of device pointers. workspace holds at
-// least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned.
+// least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
+// is set, the number of local experts with tokens is written there (step accounting).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
-                        int64_t workspace_bytes, cudaStream_t stream);
+                        int64_t workspace_bytes, cudaStream_t stream,
+                        int32_t* active_count = nullptr);
 
 }  // namespace treeverify::kernels::cuda

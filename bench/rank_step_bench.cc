@@ -1,0 +1,314 @@
+// One tensor-parallel rank of Kimi-K2 under TP8, verifying a draft tree: the whole GPU forward
+// (CudaForward, eager launches) on random bf16 weights, phase by phase against the bytes each
+// phase must move (step_accounting.h), on one GPU.
+//
+// Shapes of one TP8 rank: hidden 7168, 64 heads -> 8, q_lora 1536, kv_lora 512, rope 64, nope 128,
+// v 128, 384 experts top-8 with moe_intermediate 2048 (256 columns each under split inside; 48
+// whole experts under whole experts), one shared expert, vocabulary 163840 -> 20480. Every bench
+// layer is an MoE layer (Kimi-K2's first layer is dense; per-layer figures extrapolate to 61 on
+// paper). As many layers as fit in memory unless --layers says. Batch 1: one sequence with a
+// committed context and a tree (binary, node i under (i - 1) / 2) of new nodes. The all-reduces
+// are not run (one GPU): their phase is empty here, and the figures are the rank's own work.
+//
+//   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
+//                   [--sharding split,whole] [--iters 20] [--json FILE]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "treeverify/kernels/cuda/device.h"
+#include "treeverify/kernels/cuda/device_fill.h"
+#include "treeverify/kernels/status.h"
+#include "treeverify/worker/cuda_forward.h"
+#include "treeverify/worker/cuda_kv_storage.h"
+#include "treeverify/worker/device_weights.h"
+#include "treeverify/worker/segment_tree.h"
+#include "treeverify/worker/sharding_plan.h"
+
+namespace treeverify::worker {
+namespace {
+
+struct Args {
+  int layers = 0;  // 0: as many as fit
+  std::vector<int64_t> contexts = {4096, 46080, 131072};
+  std::vector<int64_t> trees = {1, 9, 16, 64};
+  std::vector<ExpertSharding> shardings = {ExpertSharding::kSplitInside,
+                                           ExpertSharding::kWholeExperts};
+  int iters = 20;
+  std::string json;
+};
+
+ModelConfig KimiK2(int layers) {
+  ModelConfig c;
+  c.architecture = Architecture::kDeepseekV3;
+  c.model_type = "kimi_k2";
+  c.vocab_size = 163840;
+  c.hidden_size = 7168;
+  c.intermediate_size = 18432;
+  c.moe_intermediate_size = 2048;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 64;
+  c.max_position_embeddings = 131072;
+  c.q_lora_rank = 1536;
+  c.kv_lora_rank = 512;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.n_routed_experts = 384;
+  c.num_experts_per_tok = 8;
+  c.n_shared_experts = 1;
+  c.n_group = 1;
+  c.topk_group = 1;
+  c.topk_method = kernels::MoeTopkMethod::kNoauxTc;
+  c.scoring_func = kernels::MoeScoring::kSigmoid;
+  c.norm_topk_prob = true;
+  c.routed_scaling_factor = 2.827;
+  c.first_k_dense_replace = 0;  // every bench layer is MoE (see the header)
+  c.moe_layer_freq = 1;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 50000.0;
+  c.yarn = YarnScaling{.factor = 32.0,
+                       .original_max_position_embeddings = 4096,
+                       .beta_fast = 1.0,
+                       .beta_slow = 1.0,
+                       .mscale = 1.0,
+                       .mscale_all_dim = 1.0};
+  return c;
+}
+
+constexpr int32_t kPageSize = 64;
+
+// Bytes of one layer's weights and KV at the longest context: what decides how many fit.
+int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_keys) {
+  const int64_t h = c.hidden_size, heads = plan.heads.size();
+  const int64_t attention = *c.q_lora_rank * h + heads * c.qk_head_dim() * *c.q_lora_rank +
+                            c.kv_row_dim() * h + heads * c.kv_lora_rank * 256 +
+                            h * heads * c.v_head_dim;
+  const int64_t experts = plan.experts.size() * 3 * h * plan.expert_intermediate.size();
+  const int64_t shared = 3 * h * plan.shared_intermediate.size();
+  return 2 * (attention + experts + shared + c.n_routed_experts * h) +
+         max_keys * c.kv_row_dim() * 2;
+}
+
+// One sequence: `context` committed keys and a binary tree of `nodes` new ones.
+BatchInputs MakeBatch(int64_t context, int64_t nodes, int32_t vocab) {
+  BatchInputs b;
+  std::vector<int32_t> parents(nodes);
+  for (int64_t i = 0; i < nodes; ++i) parents[i] = i == 0 ? -1 : static_cast<int32_t>((i - 1) / 2);
+  const SegmentTree tree = *SegmentTree::Build(parents);
+  for (int64_t i = 0; i < nodes; ++i) {
+    b.token_ids.push_back(static_cast<int32_t>((i * 7919 + 13) % vocab));
+    b.positions.push_back(static_cast<int32_t>(context + tree.depth[i]));
+    b.sample_positions.push_back(context + tree.depth[i] + 1);
+    b.slots.push_back(context + i);  // pages 0, 1, 2, ... in order
+  }
+  b.ancestor_mask = tree.ancestor_mask;
+  b.row_offsets = {0, static_cast<int32_t>(nodes)};
+  b.committed_lengths = {static_cast<int32_t>(context)};
+  b.max_pages = static_cast<int32_t>((context + nodes + kPageSize - 1) / kPageSize);
+  for (int32_t p = 0; p < b.max_pages; ++p) b.page_table.push_back(p);
+  b.sampling = {SegmentSampling{}};
+  b.capture_layer.assign(1, false);
+  return b;
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+absl::Status RunSharding(const Args& args, ExpertSharding sharding,
+                         const kernels::cuda::DeviceInfo& device, nlohmann::json& results) {
+  const int64_t max_keys = *std::max_element(args.contexts.begin(), args.contexts.end()) +
+                           *std::max_element(args.trees.begin(), args.trees.end());
+  ModelConfig config = KimiK2(1);
+  TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
+  int layers = args.layers;
+  if (layers == 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    TV_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // Leave room for the embedding, the LM head, activations and workspaces.
+    const int64_t spare = int64_t{6} << 30;
+    layers = static_cast<int>((static_cast<int64_t>(free_bytes) - spare) /
+                              LayerBytes(config, plan, max_keys));
+  }
+  config.num_hidden_layers = layers;
+  config.n_routed_experts = 384;
+  TV_ASSIGN_OR_RETURN(plan, ShardingPlan::Make(config, 0, 8, sharding));
+  const char* sharding_name = sharding == ExpertSharding::kSplitInside ? "split" : "whole";
+  std::printf("sharding %s: %d layers, %lld local experts x %lld columns\n", sharding_name, layers,
+              static_cast<long long>(plan.experts.size()),
+              static_cast<long long>(plan.expert_intermediate.size()));
+  std::fflush(stdout);
+
+  TV_ASSIGN_OR_RETURN(DeviceWeights weights, RandomDeviceWeights(config, plan, 2026));
+  cudaStream_t stream;
+  TV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const KvCacheOptions cache{.num_pages = (max_keys + kPageSize - 1) / kPageSize + 1,
+                             .page_size = kPageSize,
+                             .num_layers = layers,
+                             .row_dim = config.kv_row_dim()};
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<CudaKvStorage> kv, CudaKvStorage::Create(cache, stream));
+  TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(
+      kv->layer_data(0), layers * cache.num_slots() * cache.row_dim, 1.0f, 7, stream));
+  SoloCommunicator solo;
+  TV_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaForward> forward,
+      CudaForward::Create(std::move(weights), *kv, &solo, device, stream, {.account_steps = true}));
+
+  for (int64_t context : args.contexts) {
+    for (int64_t nodes : args.trees) {
+      const BatchInputs batch = MakeBatch(context, nodes, static_cast<int32_t>(config.vocab_size));
+      // The previous step's accepted path, as a commit moves it: nodes 1 and 3 onto positions 1
+      // and 2 (the rows are the bench's, the moves a commit's).
+      std::vector<int64_t> src, dst;
+      if (nodes >= 4) {
+        src = {context + 1, context + 3};
+        dst = {context + 1, context + 2};
+      }
+      std::vector<StepAccount> accounts;
+      std::vector<double> wall;
+      for (int it = 0; it < args.iters + 3; ++it) {
+        if (!src.empty()) TV_RETURN_IF_ERROR(kv->MoveRows(src, dst));
+        ForwardOutputs outputs;
+        const auto start = std::chrono::steady_clock::now();
+        TV_RETURN_IF_ERROR(forward->Run(batch, outputs));
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (it < 3) continue;  // warm-up: plans, algorithms, caches
+        accounts.push_back(*forward->last_step_account());
+        wall.push_back(seconds);
+      }
+      nlohmann::json row = {{"sharding", sharding_name},
+                            {"layers", layers},
+                            {"context", context},
+                            {"tree", nodes},
+                            {"wall_ms", Median(wall) * 1e3}};
+      const double copy = accounts[0].copy_bytes_per_second;
+      row["copy_tb_s"] = copy / 1e12;
+      std::vector<double> active;
+      for (const StepAccount& a : accounts) {
+        double sum = 0;
+        for (int32_t n : a.active_experts) sum += n;
+        active.push_back(sum / layers);
+      }
+      row["active_experts_per_layer"] = Median(active);
+      std::string line = absl::StrCat(sharding_name, " ctx ", context, " tree ", nodes, ":");
+      for (int p = 0; p < kStepPhases; ++p) {
+        const StepPhase phase = static_cast<StepPhase>(p);
+        std::vector<double> times;
+        for (const StepAccount& a : accounts) times.push_back(a.phase(phase).gpu_seconds);
+        const double seconds = Median(times);
+        const double bytes = accounts.back().phase(phase).modeled_bytes;
+        const double floor = bytes / copy;
+        row["phases"][StepPhaseName(phase)] = {
+            {"us", seconds * 1e6},
+            {"bytes", bytes},
+            {"floor_us", floor * 1e6},
+            {"tb_s", seconds > 0 ? bytes / seconds / 1e12 : 0.0},
+            {"dram_utilization", seconds > 0 ? floor / seconds : 0.0}};
+        if (seconds > 0) {
+          absl::StrAppend(&line, " ", StepPhaseName(phase), " ", static_cast<int>(seconds * 1e6),
+                          "us/", static_cast<int>(floor * 1e6), "us(",
+                          static_cast<int>(100 * floor / seconds), "%)");
+        }
+      }
+      std::vector<double> totals;
+      for (const StepAccount& a : accounts) totals.push_back(a.total_gpu_seconds);
+      const double total = Median(totals);
+      const double total_floor = accounts.back().total_bytes() / copy;
+      row["total"] = {{"us", total * 1e6},
+                      {"bytes", accounts.back().total_bytes()},
+                      {"floor_us", total_floor * 1e6},
+                      {"dram_utilization", total_floor / total},
+                      {"per_layer_us", total * 1e6 / layers}};
+      absl::StrAppend(&line, " | total ", static_cast<int>(total * 1e6), "us/",
+                      static_cast<int>(total_floor * 1e6), "us (",
+                      static_cast<int>(100 * total_floor / total), "%), wall ",
+                      static_cast<int>(Median(wall) * 1e6), "us, active ",
+                      static_cast<int>(Median(active)));
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+      results["rows"].push_back(row);
+    }
+  }
+  forward.reset();
+  kv.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text) {
+  std::vector<int64_t> values;
+  for (absl::string_view piece : absl::StrSplit(text, ',')) {
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(piece, &value) || value <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("not a positive integer list: ", text));
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+absl::Status Main(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
+    const std::string value = argv[++i];
+    if (flag == "--layers") {
+      if (!absl::SimpleAtoi(value, &args.layers)) return absl::InvalidArgumentError(value);
+    } else if (flag == "--contexts") {
+      TV_ASSIGN_OR_RETURN(args.contexts, ParseList(value));
+    } else if (flag == "--trees") {
+      TV_ASSIGN_OR_RETURN(args.trees, ParseList(value));
+    } else if (flag == "--iters") {
+      if (!absl::SimpleAtoi(value, &args.iters)) return absl::InvalidArgumentError(value);
+    } else if (flag == "--json") {
+      args.json = value;
+    } else if (flag == "--sharding") {
+      args.shardings.clear();
+      for (absl::string_view s : absl::StrSplit(value, ',')) {
+        if (s == "split") {
+          args.shardings.push_back(ExpertSharding::kSplitInside);
+        } else if (s == "whole") {
+          args.shardings.push_back(ExpertSharding::kWholeExperts);
+        } else {
+          return absl::InvalidArgumentError(absl::StrCat("--sharding split,whole; got ", value));
+        }
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
+    }
+  }
+  TV_ASSIGN_OR_RETURN(kernels::cuda::DeviceInfo device, kernels::cuda::QueryDevice(0));
+  std::printf("device: %s, %d SMs\n", device.name.c_str(), device.multiprocessors);
+  nlohmann::json results = {{"device", device.name}, {"rows", nlohmann::json::array()}};
+  for (ExpertSharding sharding : args.shardings) {
+    TV_RETURN_IF_ERROR(RunSharding(args, sharding, device, results));
+  }
+  if (!args.json.empty()) std::ofstream(args.json) << results.dump(1) << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace treeverify::worker
+
+int main(int argc, char** argv) {
+  const absl::Status status = treeverify::worker::Main(argc, argv);
+  if (!status.ok()) {
+    std::fprintf(stderr, "rank_step_bench: %s\n", std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,71 @@
+#include <algorithm>
+
+#include "element_convert.cuh"
+#include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/device_fill.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+__device__ __forceinline__ float HashUniform(uint64_t index, uint32_t seed) {
+  uint32_t x =
+      static_cast<uint32_t>(index) * 2654435761u ^ seed ^ static_cast<uint32_t>(index >> 32);
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f;  // [-1, 1)
+}
+
+template <typename T>
+__global__ void FillUniformKernel(T* data, int64_t count, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = FromFloat<T>(HashUniform(i, seed) * scale);
+  }
+}
+
+__global__ void FillConstantKernel(Bf16* data, int64_t count, float value) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = FromFloat<Bf16>(value);
+  }
+}
+
+unsigned Blocks(int64_t count) {
+  return static_cast<unsigned>(std::min<int64_t>(4096, (count + 255) / 256));
+}
+
+template <typename T>
+absl::Status Launch(T* data, int64_t count, float scale, uint32_t seed, cudaStream_t stream) {
+  if (count < 0 || (count > 0 && data == nullptr)) {
+    return absl::InvalidArgumentError("FillUniform: a negative count or no buffer");
+  }
+  if (count == 0) return absl::OkStatus();
+  FillUniformKernel<<<Blocks(count), 256, 0, stream>>>(data, count, scale, seed);
+  return CudaStatus(cudaGetLastError(), "FillUniformKernel launch");
+}
+
+}  // namespace
+
+absl::Status FillUniform(Bf16* data, int64_t count, float scale, uint32_t seed,
+                         cudaStream_t stream) {
+  return Launch(data, count, scale, seed, stream);
+}
+
+absl::Status FillUniform(float* data, int64_t count, float scale, uint32_t seed,
+                         cudaStream_t stream) {
+  return Launch(data, count, scale, seed, stream);
+}
+
+absl::Status FillConstant(Bf16* data, int64_t count, float value, cudaStream_t stream) {
+  if (count < 0 || (count > 0 && data == nullptr)) {
+    return absl::InvalidArgumentError("FillConstant: a negative count or no buffer");
+  }
+  if (count == 0) return absl::OkStatus();
+  FillConstantKernel<<<Blocks(count), 256, 0, stream>>>(data, count, value);
+  return CudaStatus(cudaGetLastError(), "FillConstantKernel launch");
+}
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,21 @@
+// The device's copy bandwidth, measured: the ceiling that DRAM utilization figures are held
+// against (bytes a step must move / its time / this). A 16-byte-load copy kernel, four loads in
+// flight per thread over a grid-stride loop, and cudaMemcpyAsync; the faster of the two, counting
+// bytes read plus bytes written, median of several runs.
+//
+//   TV_ASSIGN_OR_RETURN(double bytes_per_s, MeasureCopyBandwidth(int64_t{1} << 30, stream));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+
+namespace treeverify::kernels::cuda {
+
+// Allocates two buffers of `bytes` (at least 64 MB, so the L2 does not serve them) for the
+// duration of the measurement.
+absl::StatusOr<double> MeasureCopyBandwidth(int64_t bytes, cudaStream_t stream);
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,23 @@
+// Device buffers filled on the device: random bf16 weights for benchmarks of shapes no checkpoint
+// here has, and constants (norm weights).
+//
+//   TV_RETURN_IF_ERROR(FillUniform(weights, count, 1.0f / std::sqrt(fan_in), seed, stream));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "treeverify/kernels/cuda/bf16.h"
+
+namespace treeverify::kernels::cuda {
+
+// Uniform in [-scale, scale), from a hash of (seed, index): the same for every launch shape.
+absl::Status FillUniform(Bf16* data, int64_t count, float scale, uint32_t seed,
+                         cudaStream_t stream);
+absl::Status FillUniform(float* data, int64_t count, float scale, uint32_t seed,
+                         cudaStream_t stream);
+absl::Status FillConstant(Bf16* data, int64_t count, float value, cudaStream_t stream);
+
+}  // namespace treeverify::kernels::cuda

@@ -1,0 +1,63 @@
+// How a verify step spends its time, phase by phase, against the bytes each phase must move: the
+// GPU backend's account of how close it comes to the memory bandwidth (DRAM utilization = modeled
+// bytes / GPU time / the measured copy bandwidth). docs/gpu-worker.md gives the bytes model.
+//
+//   std::optional<StepAccount> step = runner->last_step_account();
+//   double moe_utilization = step->Utilization(StepPhase::kMoe);
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "treeverify/worker/model_config.h"
+#include "treeverify/worker/sharding_plan.h"
+
+namespace treeverify::worker {
+
+enum class StepPhase : int {
+  kEmbed,      // the step's inputs to the device and the embedding gather
+  kAttention,  // every layer's input norm through o_proj, KV append and MLA included
+  kMoe,        // every layer's post-attention norm and MLP: routed experts, shared, dense
+  kAllReduce,  // the tensor-parallel all-reduces
+  kLmHead,     // the final norm, the LM head and the per-node summaries' device part
+  kKvCommit,   // compaction of the previous step's accepted rows
+};
+inline constexpr int kStepPhases = 6;
+const char* StepPhaseName(StepPhase phase);
+
+struct PhaseAccount {
+  double gpu_seconds = 0.0;
+  double modeled_bytes = 0.0;  // DRAM bytes the phase must move (0: not a DRAM-bound phase)
+};
+
+struct StepAccount {
+  std::array<PhaseAccount, kStepPhases> phases{};
+  double total_gpu_seconds = 0.0;       // the phases' sum
+  double copy_bytes_per_second = 0.0;   // the device's measured copy bandwidth
+  int64_t rows = 0;                     // tree nodes in the step
+  std::vector<int32_t> active_experts;  // per layer (0 for dense layers)
+
+  const PhaseAccount& phase(StepPhase p) const { return phases[static_cast<int>(p)]; }
+  PhaseAccount& phase(StepPhase p) { return phases[static_cast<int>(p)]; }
+  double total_bytes() const;
+  // Achieved bandwidth (bytes / s) and DRAM utilization (its fraction of the copy bandwidth).
+  double Bandwidth(StepPhase p) const;
+  double Utilization(StepPhase p) const;
+  double TotalBandwidth() const;
+  double TotalUtilization() const;
+};
+
+// What the bytes model needs to know of a step.
+struct StepShape {
+  int64_t rows = 0;                     // new rows (tree nodes) of all sequences
+  std::vector<int64_t> keys;            // per sequence: committed + its new rows
+  std::vector<int32_t> active_experts;  // per layer: local experts with tokens (MoE layers)
+  int64_t committed_moves = 0;          // rows moved by the commit before the step
+};
+
+// Fills the modeled_bytes of every phase.
+void ModelStepBytes(const ModelConfig& config, const ShardingPlan& plan, const StepShape& shape,
+                    StepAccount& account);
+
+}  // namespace treeverify::worker

@@ -1,0 +1,99 @@
+#include "treeverify/worker/step_accounting.h"
+
+namespace treeverify::worker {
+
+const char* StepPhaseName(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kEmbed:
+      return "embed";
+    case StepPhase::kAttention:
+      return "attention";
+    case StepPhase::kMoe:
+      return "moe";
+    case StepPhase::kAllReduce:
+      return "allreduce";
+    case StepPhase::kLmHead:
+      return "lm_head";
+    case StepPhase::kKvCommit:
+      return "kv_commit";
+  }
+  return "unknown";
+}
+
+double StepAccount::total_bytes() const {
+  double bytes = 0.0;
+  for (const PhaseAccount& p : phases) bytes += p.modeled_bytes;
+  return bytes;
+}
+
+double StepAccount::Bandwidth(StepPhase p) const {
+  const PhaseAccount& account = phase(p);
+  return account.gpu_seconds > 0.0 ? account.modeled_bytes / account.gpu_seconds : 0.0;
+}
+
+double StepAccount::Utilization(StepPhase p) const {
+  return copy_bytes_per_second > 0.0 ? Bandwidth(p) / copy_bytes_per_second : 0.0;
+}
+
+double StepAccount::TotalBandwidth() const {
+  return total_gpu_seconds > 0.0 ? total_bytes() / total_gpu_seconds : 0.0;
+}
+
+double StepAccount::TotalUtilization() const {
+  return copy_bytes_per_second > 0.0 ? TotalBandwidth() / copy_bytes_per_second : 0.0;
+}
+
+// Weights are bf16 (2 bytes), the correction bias fp32, KV rows bf16. Activations are left out:
+// at verify sizes they are a fraction of a percent of the weights (16 rows of 7168 against
+// matrices of 7168 x 1536 and up).
+void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepShape& shape,
+                    StepAccount& account) {
+  constexpr double kWeight = 2.0;
+  const double hidden = static_cast<double>(c.hidden_size);
+  const double heads = static_cast<double>(plan.heads.size());
+  const double row_dim = static_cast<double>(c.kv_row_dim());
+  const double rows = static_cast<double>(shape.rows);
+  for (PhaseAccount& p : account.phases) p.modeled_bytes = 0.0;
+
+  // Embedding: the rows' table rows read, the fp32 residual written.
+  account.phase(StepPhase::kEmbed).modeled_bytes = rows * hidden * (kWeight + 4.0);
+
+  double attention_weights = hidden;  // input norm
+  if (c.q_lora_rank) {
+    const double q_lora = static_cast<double>(*c.q_lora_rank);
+    attention_weights += q_lora * hidden + q_lora + heads * c.qk_head_dim() * q_lora;
+  } else {
+    attention_weights += heads * c.qk_head_dim() * hidden;
+  }
+  attention_weights += row_dim * hidden + c.kv_lora_rank;  // kv_a, its norm
+  attention_weights += heads * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim);  // W_UK, W_UV
+  attention_weights += hidden * heads * c.v_head_dim;                                 // o_proj
+  double keys = 0.0;
+  for (int64_t k : shape.keys) keys += static_cast<double>(k);
+  const double kv_bytes = (keys + rows) * row_dim * kWeight;  // read every key, write new rows
+  account.phase(StepPhase::kAttention).modeled_bytes =
+      c.num_hidden_layers * (attention_weights * kWeight + kv_bytes);
+
+  double moe = 0.0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    double layer = hidden;  // post-attention norm
+    if (c.is_moe_layer(l)) {
+      const double active =
+          l < static_cast<int64_t>(shape.active_experts.size()) ? shape.active_experts[l] : 0;
+      layer += c.n_routed_experts * hidden;  // router
+      layer += active * 3.0 * hidden * static_cast<double>(plan.expert_intermediate.size());
+      layer += 3.0 * hidden * static_cast<double>(plan.shared_intermediate.size());
+      moe += layer * kWeight + c.n_routed_experts * 4.0;  // + the fp32 correction bias
+    } else {
+      layer += 3.0 * hidden * static_cast<double>(plan.dense_intermediate.size());
+      moe += layer * kWeight;
+    }
+  }
+  account.phase(StepPhase::kMoe).modeled_bytes = moe;
+  account.phase(StepPhase::kLmHead).modeled_bytes =
+      (hidden + static_cast<double>(plan.vocab.size()) * hidden) * kWeight;
+  account.phase(StepPhase::kKvCommit).modeled_bytes =
+      static_cast<double>(shape.committed_moves) * c.num_hidden_layers * row_dim * kWeight * 2.0;
+}
+
+}  // namespace treeverify::worker
