@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <iostream>
 #include <numeric>
 #include <random>
@@ -160,15 +161,18 @@ class CudaForwardTest : public testing::Test {
 
   static std::unique_ptr<tools::LocalModel> MakeModel(const std::string& dir, bool gpu,
                                                       int world_size = 1,
-                                                      ExpertSharding sharding = {}) {
+                                                      ExpertSharding sharding = {},
+                                                      bool graphs = true) {
     tools::LocalModelOptions options;
     options.world_size = world_size;
     options.expert_sharding = sharding;
     options.kv_page_size = 16;
     options.kv_pages = 64;
     if (gpu) {
-      options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c,
-                                   Communicator* k) { return MakeCudaForward(w, c, k, {}); };
+      options.forward_factory = [graphs](const ModelWeights& w, const KvCacheOptions& c,
+                                         Communicator* k) {
+        return MakeCudaForward(w, c, k, {.graphs = graphs});
+      };
     }
     auto model = tools::LocalModel::Create(dir, options);
     EXPECT_TRUE(model.ok()) << model.status();
@@ -340,6 +344,92 @@ TEST_F(CudaForwardTest, TreeNodesMatchTheirChainsOnTheGpu) {
   CompareRows(tree_path_logits, (*result)[1].logits, vocab, "tree vs chain", agreement);
   std::cout << "tree vs chain: max |log-softmax diff| " << agreement.worst << "\n";
   EXPECT_TRUE(agreement.disagreeing.empty()) << agreement.disagreeing.front();
+}
+
+// A step replayed from its CUDA graph computes the bytes its eager launches compute: two GPU
+// runners, graphs on and off, take the same steps (a prompt, then trees of one shape over a
+// growing context: the shape's first step runs eagerly, its second is captured, the rest are
+// replays), and their logits must be equal bit for bit.
+TEST_F(CudaForwardTest, GraphReplayGivesTheBytesOfEagerLaunches) {
+  for (const Model& model : {Models()[2], Models().back()}) {  // tiny-kimi (MoE), V3 attention
+    SCOPED_TRACE(model.name);
+    const std::string dir = WriteModel(model);
+    auto graphs = MakeModel(dir, /*gpu=*/true, 1, {}, /*graphs=*/true);
+    auto eager = MakeModel(dir, /*gpu=*/true, 1, {}, /*graphs=*/false);
+    ASSERT_NE(graphs, nullptr);
+    ASSERT_NE(eager, nullptr);
+    std::mt19937 rng(79);
+    const int64_t vocab = graphs->config().vocab_size;
+    const std::vector<int32_t> parents = {-1, 0, 0, 1, 1, 2, 3};
+    std::vector<ForwardRequest> steps(1);
+    steps[0].return_logits = true;
+    steps[0].segments.push_back({.sequence_id = 5,
+                                 .token_ids = RandomTokens(30, vocab, rng),
+                                 .parents = SegmentTree::ChainParents(30)});
+    for (int step = 0; step < 5; ++step) {
+      ForwardRequest request;
+      request.return_logits = true;
+      std::vector<int32_t> commit = {0, 1, 3};
+      if (step == 0) {
+        commit.resize(30);
+        std::iota(commit.begin(), commit.end(), 0);
+      }
+      request.segments.push_back({.sequence_id = 5,
+                                  .commit_nodes = commit,
+                                  .token_ids = RandomTokens(7, vocab, rng),
+                                  .parents = parents});
+      steps.push_back(request);
+    }
+    for (size_t s = 0; s < steps.size(); ++s) {
+      auto from_graph = graphs->Forward(steps[s]);
+      auto from_eager = eager->Forward(steps[s]);
+      ASSERT_TRUE(from_graph.ok()) << from_graph.status();
+      ASSERT_TRUE(from_eager.ok()) << from_eager.status();
+      const std::vector<float>& a = (*from_graph)[0].logits;
+      const std::vector<float>& b = (*from_eager)[0].logits;
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "step " << s;
+    }
+  }
+}
+
+// With accounting on, every phase the step runs has time, and the bytes model is filled in.
+TEST_F(CudaForwardTest, StepAccountCoversThePhases) {
+  const Model model = Models()[2];  // tiny-kimi
+  const std::string dir = WriteModel(model);
+  SoloCommunicator solo;
+  ModelRunnerOptions options;
+  options.kv_page_size = 16;
+  options.kv_pages = 64;
+  options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
+    return MakeCudaForward(w, c, k, {.account_steps = true});
+  };
+  auto runner = ModelRunner::Create(dir, options, &solo);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  EXPECT_FALSE((*runner)->last_step_account().has_value());
+  ForwardRequest request;
+  request.segments.push_back(
+      {.sequence_id = 1, .token_ids = {1, 2, 3, 4}, .parents = SegmentTree::ChainParents(4)});
+  for (int step = 0; step < 3; ++step) {  // eager, eager, captured: all accounted
+    ASSERT_TRUE((*runner)->Forward(request).ok());
+    request.segments[0].commit_nodes = std::vector<int32_t>{0, 1, 2, 3};
+    request.segments[0].token_ids = {5, 6, 7, 8};
+    const std::optional<StepAccount> account = (*runner)->last_step_account();
+    ASSERT_TRUE(account.has_value());
+    for (StepPhase phase :
+         {StepPhase::kEmbed, StepPhase::kAttention, StepPhase::kMoe, StepPhase::kLmHead}) {
+      EXPECT_GT(account->phase(phase).gpu_seconds, 0.0) << StepPhaseName(phase) << " step " << step;
+      EXPECT_GT(account->phase(phase).modeled_bytes, 0.0) << StepPhaseName(phase);
+    }
+    EXPECT_GT(account->copy_bytes_per_second, 1e9);
+    EXPECT_GT(account->TotalUtilization(), 0.0);
+    EXPECT_EQ(account->rows, 4);
+    // tiny-kimi: layer 0 dense, layers 1-2 MoE with at most 4 x 3 experts active.
+    ASSERT_EQ(account->active_experts.size(), 3u);
+    EXPECT_EQ(account->active_experts[0], 0);
+    EXPECT_GT(account->active_experts[1], 0);
+    EXPECT_LE(account->active_experts[1], 12);
+  }
 }
 
 }  // namespace

@@ -106,6 +106,7 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
   TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
   std::unique_ptr<CudaForward> forward(
       new CudaForward(std::move(weights), kv_rows, communicator, device, stream, std::move(gemm)));
+  forward->use_graphs_ = options.graphs;
   if (options.account_steps) {
     forward->account_steps_ = true;
     TV_ASSIGN_OR_RETURN(forward->copy_bytes_per_second_,
@@ -132,6 +133,9 @@ CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communic
 
 CudaForward::~CudaForward() {
   cudaStreamSynchronize(stream_);
+  for (auto& [layout, graph] : graphs_) {
+    if (graph.exec != nullptr) cudaGraphExecDestroy(graph.exec);
+  }
   for (cudaEvent_t event : events_) cudaEventDestroy(event);
   cudaStreamDestroy(stream_);
 }
@@ -156,7 +160,11 @@ absl::Status CudaForward::Mark(StepPhase phase) {
     events_.push_back(event);
   }
   marks_.push_back(phase);
-  return cuda::CudaStatus(cudaEventRecord(events_[next], stream_), "cudaEventRecord");
+  // Inside a capture, an event record node (an ordinary record there only orders streams).
+  return cuda::CudaStatus(
+      capturing_ ? cudaEventRecordWithFlags(events_[next], stream_, cudaEventRecordExternal)
+                 : cudaEventRecord(events_[next], stream_),
+      "cudaEventRecord");
 }
 
 absl::Status CudaForward::Account(const BatchInputs& batch) {
@@ -238,10 +246,11 @@ absl::Status CudaForward::Reserve(int64_t rows) {
                                                  plan.expert_intermediate.size(), c.hidden_size)));
   }
   a.capacity = capacity;
+  ++buffers_epoch_;  // graphs hold the old pointers
   return absl::OkStatus();
 }
 
-absl::Status CudaForward::Upload(const BatchInputs& batch) {
+absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& layout) {
   staging_.clear();
   const size_t token_ids = Stage(batch.token_ids, staging_);
   const size_t positions = Stage(batch.positions, staging_);
@@ -249,10 +258,17 @@ absl::Status CudaForward::Upload(const BatchInputs& batch) {
   const size_t row_offsets = Stage(batch.row_offsets, staging_);
   const size_t committed = Stage(batch.committed_lengths, staging_);
   const size_t mask = Stage(batch.ancestor_mask, staging_);
-  const size_t page_table = Stage(batch.page_table, staging_);
+  // Each sequence's pages, then page 0 up to the layout's padded width.
+  padded_pages_.assign(int64_t{layout.sequences} * layout.max_pages, 0);
+  for (int32_t s = 0; s < layout.sequences; ++s) {
+    std::copy_n(batch.page_table.begin() + int64_t{s} * batch.max_pages, batch.max_pages,
+                padded_pages_.begin() + int64_t{s} * layout.max_pages);
+  }
+  const size_t page_table = Stage(padded_pages_, staging_);
   if (inputs_.buffer.size() < static_cast<int64_t>(staging_.size())) {
     TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     TV_RETURN_IF_ERROR(Grow(inputs_.buffer, static_cast<int64_t>(staging_.size()) * 2));
+    ++buffers_epoch_;  // graphs hold the old pointers
   }
   // From pageable memory: returns once staged, and runs after the previous step's kernels.
   TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(inputs_.buffer.get(), staging_.data(), staging_.size(),
@@ -298,10 +314,25 @@ absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
   if (plan.workspace_bytes > mla_workspace_.size()) {
     TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     TV_RETURN_IF_ERROR(Grow(mla_workspace_, plan.workspace_bytes));
+    ++buffers_epoch_;  // graphs hold the old pointers
     TV_RETURN_IF_ERROR(
         cuda::PrepareMlaVerifyWorkspace(mla_workspace_.get(), mla_workspace_.size(), stream_));
   }
   return &plan;
+}
+
+CudaForward::StepLayout CudaForward::LayoutOf(const BatchInputs& batch) {
+  StepLayout layout{.rows = batch.rows(), .sequences = batch.sequences()};
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    layout.max_rows_per_seq =
+        std::max(layout.max_rows_per_seq, batch.row_offsets[s + 1] - batch.row_offsets[s]);
+  }
+  // Page tables are padded to a power of two of pages, so that a growing context keeps the
+  // shape (and the CUDA graph) for as long as its pages fit: the kernels read only the pages
+  // their lengths reach.
+  layout.max_pages = 1;
+  while (layout.max_pages < batch.max_pages) layout.max_pages *= 2;
+  return layout;
 }
 
 absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) {
@@ -311,9 +342,66 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
   const int64_t rows = batch.rows();
   if (rows == 0) return absl::OkStatus();
   TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
+  const StepLayout layout = LayoutOf(batch);
   TV_RETURN_IF_ERROR(Reserve(rows));
   TV_RETURN_IF_ERROR(StartAccount());
-  TV_RETURN_IF_ERROR(Upload(batch));
+  TV_RETURN_IF_ERROR(Upload(batch, layout));
+  const bool captures = std::find(batch.capture_layer.begin(), batch.capture_layer.end(), true) !=
+                        batch.capture_layer.end();
+  // A graph replays device work only: hidden states copied out mid-step and all-reduces through
+  // the host (W > 1 until NCCL) run eagerly.
+  if (use_graphs_ && !captures && communicator_->world_size() == 1) {
+    TV_RETURN_IF_ERROR(RunGraph(layout));
+  } else {
+    TV_RETURN_IF_ERROR(Layers(layout, &batch.capture_layer, outputs.layer_hidden));
+  }
+
+  const int64_t vocab_shard = weights_.plan.vocab.size();
+  // The fused LM-head summary is still to come: summarize on the host for now.
+  std::vector<float> logits;
+  TV_RETURN_IF_ERROR(CopyToHost(activations_.logits.get(), rows * vocab_shard, logits));
+  TV_RETURN_IF_ERROR(Account(batch));
+  TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
+                                     static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
+  if (batch.return_logits) outputs.logits = std::move(logits);
+  return absl::OkStatus();
+}
+
+absl::Status CudaForward::RunGraph(const StepLayout& layout) {
+  Graph& graph = graphs_[layout];
+  if (graph.exec != nullptr && graph.epoch == buffers_epoch_) {
+    marks_ = graph.marks;
+    return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
+  }
+  if (graph.exec != nullptr) cudaGraphExecDestroy(std::exchange(graph.exec, nullptr));
+  if (!graph.seen || graph.epoch != buffers_epoch_) {
+    // First sight of the shape: eagerly, which also plans the GEMMs and the MLA op and sizes
+    // every buffer, so that the capture next time needs no allocation and no synchronization.
+    graph.seen = true;
+    graph.epoch = buffers_epoch_;
+    std::vector<std::vector<float>> unused;
+    return Layers(layout, nullptr, unused);
+  }
+  TV_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+  std::vector<std::vector<float>> unused;
+  const absl::Status captured = Layers(layout, nullptr, unused);
+  capturing_ = false;
+  cudaGraph_t recorded = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &recorded);
+  TV_RETURN_IF_ERROR(captured);
+  TV_CUDA_RETURN_IF_ERROR(ended);
+  const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, recorded, 0);
+  cudaGraphDestroy(recorded);
+  TV_CUDA_RETURN_IF_ERROR(instantiated);
+  graph.marks = marks_;  // the events the graph records
+  return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
+}
+
+absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<bool>* capture,
+                                 std::vector<std::vector<float>>& hidden_states) {
+  const ModelConfig& c = weights_.config;
+  const int64_t rows = layout.rows;
   Activations& a = activations_;
   const int64_t hidden = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -330,8 +418,8 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
   TV_RETURN_IF_ERROR(Mark(StepPhase::kEmbed));
   TV_RETURN_IF_ERROR(AllReduce(a.residual.get(), rows * hidden));
   TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
-  if (batch.capture_layer[0]) {
-    TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[0]));
+  if (capture != nullptr && (*capture)[0]) {
+    TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, hidden_states[0]));
   }
   // The residual add of each branch is fused into the next norm: residual += branch, then
   // normed = norm(residual). The first layer's input norm has nothing to add.
@@ -349,10 +437,10 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const DeviceLayerWeights& layer = weights_.layers[l];
     TV_RETURN_IF_ERROR(norm(layer.input_norm.get(), /*add_branch=*/l > 0));
-    if (l > 0 && batch.capture_layer[l]) {
-      TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[l]));
+    if (l > 0 && capture != nullptr && (*capture)[l]) {
+      TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, hidden_states[l]));
     }
-    TV_RETURN_IF_ERROR(Attention(l, batch));
+    TV_RETURN_IF_ERROR(Attention(l, layout));
     TV_RETURN_IF_ERROR(Mark(StepPhase::kAttention));
     TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
     TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
@@ -363,9 +451,9 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
     TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
   }
   TV_RETURN_IF_ERROR(norm(weights_.final_norm.get(), /*add_branch=*/c.num_hidden_layers > 0));
-  if (batch.capture_layer[c.num_hidden_layers]) {
+  if (capture != nullptr && (*capture)[c.num_hidden_layers]) {
     TV_RETURN_IF_ERROR(
-        CopyToHost(a.residual.get(), rows * hidden, outputs.layer_hidden[c.num_hidden_layers]));
+        CopyToHost(a.residual.get(), rows * hidden, hidden_states[c.num_hidden_layers]));
   }
 
   const int64_t vocab_shard = weights_.plan.vocab.size();
@@ -377,21 +465,14 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
                                  .k = hidden},
                                 stream_));
   TV_RETURN_IF_ERROR(Mark(StepPhase::kLmHead));
-  // The fused LM-head summary is still to come: summarize on the host for now.
-  std::vector<float> logits;
-  TV_RETURN_IF_ERROR(CopyToHost(a.logits.get(), rows * vocab_shard, logits));
-  TV_RETURN_IF_ERROR(Account(batch));
-  TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
-                                     static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
-  if (batch.return_logits) outputs.logits = std::move(logits);
   return absl::OkStatus();
 }
 
-absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batch) {
+absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layout) {
   const ModelConfig& c = weights_.config;
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
   Activations& a = activations_;
-  const int64_t rows = batch.rows();
+  const int64_t rows = layout.rows;
   const int64_t hidden = c.hidden_size;
   const int64_t heads = weights_.plan.heads.size();
   const int64_t nope = c.qk_nope_head_dim;
@@ -505,12 +586,8 @@ absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batc
                                      .num_slots = cache.num_slots()},
                                     stream_));
 
-  int32_t max_rows_per_seq = 0;
-  for (int32_t s = 0; s < batch.sequences(); ++s) {
-    max_rows_per_seq = std::max(max_rows_per_seq, batch.row_offsets[s + 1] - batch.row_offsets[s]);
-  }
-  const cuda::MlaVerifyShape shape{.num_seqs = batch.sequences(),
-                                   .max_rows_per_seq = max_rows_per_seq,
+  const cuda::MlaVerifyShape shape{.num_seqs = layout.sequences,
+                                   .max_rows_per_seq = layout.max_rows_per_seq,
                                    .row_capacity = static_cast<int32_t>(a.capacity),
                                    .num_heads = static_cast<int32_t>(heads),
                                    .latent_dim = static_cast<int32_t>(lora),
@@ -525,12 +602,12 @@ absl::Status CudaForward::Attention(int64_t layer_index, const BatchInputs& batc
                                                .ancestor_mask = inputs_.ancestor_mask,
                                                .out = a.latent_out.get(),
                                                .lse = a.lse.get(),
-                                               .num_seqs = batch.sequences(),
+                                               .num_seqs = layout.sequences,
                                                .num_heads = static_cast<int32_t>(heads),
                                                .latent_dim = static_cast<int32_t>(lora),
                                                .rope_dim = static_cast<int32_t>(rope),
                                                .page_size = cache.page_size,
-                                               .max_pages_per_seq = batch.max_pages,
+                                               .max_pages_per_seq = layout.max_pages,
                                                .num_pages = static_cast<int32_t>(cache.num_pages),
                                                .softmax_scale = softmax_scale_},
                                               shape, *plan, mla_workspace_.get(),

@@ -41,6 +41,9 @@ struct CudaForwardOptions {
   // Keep a StepAccount of every step (step_accounting.h): events between the phases, the active
   // experts per layer, and the copy bandwidth measured once at creation (a few milliseconds).
   bool account_steps = false;
+  // Replay each step shape's device work from a CUDA graph (captured on the shape's second step;
+  // see docs/gpu-worker.md for what is and is not captured).
+  bool graphs = true;
   absl::Status Validate() const;
 };
 
@@ -91,6 +94,20 @@ class CudaForward final : public ForwardBackend {
     DeviceArray<float> shared_out;     // [rows, hidden] the shared experts' output
     DeviceArray<uint8_t> moe_workspace;
   };
+  // What fixes a step's launches: a CUDA graph serves every step of the same layout.
+  struct StepLayout {
+    int64_t rows = 0;
+    int32_t sequences = 0;
+    int32_t max_rows_per_seq = 0;
+    int32_t max_pages = 0;  // the page tables' padded width
+    auto operator<=>(const StepLayout&) const = default;
+  };
+  struct Graph {
+    bool seen = false;  // run eagerly once (plans made, buffers sized)
+    int64_t epoch = 0;  // buffers_epoch_ when seen or captured
+    cudaGraphExec_t exec = nullptr;
+    std::vector<StepPhase> marks;  // the phase events the graph records
+  };
   // The step's inputs on the device, packed in one buffer and copied in one go.
   struct StepInputs {
     DeviceArray<uint8_t> buffer;
@@ -112,8 +129,14 @@ class CudaForward final : public ForwardBackend {
   absl::Status Mark(StepPhase phase);
   absl::Status Account(const BatchInputs& batch);
   absl::Status Reserve(int64_t rows);
-  absl::Status Upload(const BatchInputs& batch);
-  absl::Status Attention(int64_t layer, const BatchInputs& batch);
+  static StepLayout LayoutOf(const BatchInputs& batch);
+  absl::Status Upload(const BatchInputs& batch, const StepLayout& layout);
+  // The step's device work, embedding to LM head; hidden states of the layers `capture` marks
+  // copied out as it goes (eager only).
+  absl::Status Layers(const StepLayout& layout, const std::vector<bool>* capture,
+                      std::vector<std::vector<float>>& hidden_states);
+  absl::Status RunGraph(const StepLayout& layout);
+  absl::Status Attention(int64_t layer, const StepLayout& layout);
   absl::Status Mlp(int64_t layer, int64_t rows);
   // out = down(silu(gate . x) * (up . x)) of the normed rows.
   absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out);
@@ -133,6 +156,11 @@ class CudaForward final : public ForwardBackend {
   Activations activations_;
   StepInputs inputs_;
   std::vector<uint8_t> staging_;
+  std::vector<int32_t> padded_pages_;
+  bool use_graphs_ = true;
+  bool capturing_ = false;
+  int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
+  std::map<StepLayout, Graph> graphs_;
   // (sequences, most rows of one sequence, row capacity) -> plan.
   std::map<std::tuple<int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
   DeviceArray<uint8_t> mla_workspace_;
