@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "element_convert.cuh"
+#include "moe_expert_mma_kernel.cuh"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
 
@@ -313,6 +314,108 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The tensor-core path (cuda/moe_expert_mma_kernel.cuh): gate/up (kGateUp) or down tiles of 16
+// rows of one active expert. The block's warps form groups of `split` warps that share one tile
+// and split its reduction (long rows: the hidden dim); short rows (256 columns under split
+// inside) take split 1, a tile per warp. A work item is (active expert, kMmaWarps / split tiles).
+template <bool kGateUp, int kUnroll>
+__global__ void __launch_bounds__(moe::kMmaThreads)
+    ExpertMmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t split,
+                    int32_t item_tiles) {
+  constexpr int kMatrices = kGateUp ? 2 : 1;
+  __shared__ float partial[moe::kMmaWarps][kMatrices][32][4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int part = warp % split;  // which share of the reduction
+  const int tile_in_item = warp / split;
+  const int64_t length = kGateUp ? p.hidden : p.intermediate;  // the reduction
+  const int64_t rows_total = kGateUp ? p.intermediate : p.hidden;
+  const int64_t chunks = length / moe::kMmaChunk;
+  const int64_t per_part = (chunks + split - 1) / split;
+  const int64_t begin = min(chunks, part * per_part);
+  const int64_t end = min(chunks, begin + per_part);
+  const int64_t tiles = (rows_total + moe::kMmaRows - 1) / moe::kMmaRows;
+  const int64_t items_per_expert = (tiles + item_tiles - 1) / item_tiles;
+  const int64_t items = int64_t{*w.num_active} * items_per_expert;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int32_t expert = w.active[item / items_per_expert];
+    const int64_t row0 = ((item % items_per_expert) * item_tiles + tile_in_item) * moe::kMmaRows;
+    const int32_t first_pair = w.offsets[expert], end_pair = w.offsets[expert + 1];
+    // Rows past the last repeat it (their results are not stored).
+    const int64_t row_g = min(row0 + g, rows_total - 1);
+    const int64_t row_g8 = min(row0 + g + 8, rows_total - 1);
+    const Bf16* matrices[kMatrices];
+    if constexpr (kGateUp) {
+      matrices[0] = p.gate_proj[expert];
+      matrices[1] = p.up_proj[expert];
+    } else {
+      matrices[0] = p.down_proj[expert];
+    }
+    const Bf16* rows_g[kMatrices];
+    const Bf16* rows_g8[kMatrices];
+#pragma unroll
+    for (int m = 0; m < kMatrices; ++m) {
+      rows_g[m] = matrices[m] + row_g * length;
+      rows_g8[m] = matrices[m] + row_g8 * length;
+    }
+    for (int32_t pass = first_pair; pass < end_pair; pass += moe::kMmaTokens) {
+      const int count = min(moe::kMmaTokens, end_pair - pass);
+      const bool has_token = g < count;
+      const int32_t pair = pass + min(g, count - 1);
+      const Bf16* x = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
+                              : w.activated + int64_t{pair} * p.intermediate;
+      float acc[kMatrices][4] = {};
+      if (row0 < rows_total) {
+        moe::MmaRows<kMatrices, kUnroll>(rows_g, rows_g8, x, has_token, begin, end, t, acc);
+      }
+      if (split > 1) {
+#pragma unroll
+        for (int m = 0; m < kMatrices; ++m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) partial[warp][m][lane][i] = acc[m][i];
+        }
+        __syncthreads();
+        if (part == 0) {  // the group's first warp adds the others' shares in warp order
+          for (int from = warp + 1; from < warp + split; ++from) {
+#pragma unroll
+            for (int m = 0; m < kMatrices; ++m) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][i] += partial[from][m][lane][i];
+            }
+          }
+        }
+      }
+      if (part == 0) {
+        // Accumulator i: row g (+ 8 for i >= 2), token 2t + (i & 1).
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = row0 + g + (i >= 2 ? 8 : 0);
+          const int token = 2 * t + (i & 1);
+          if (row >= rows_total || token >= count) continue;
+          if constexpr (kGateUp) {
+            // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
+            const float gate = acc[0][i];
+            const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
+            w.activated[int64_t{pass + token} * p.intermediate + row] =
+                FromFloat<Bf16>(__fmul_rn(silu, acc[1][i]));
+          } else {
+            w.expert_out[int64_t{w.pair_entry[pass + token]} * p.hidden + row] = acc[0][i];
+          }
+        }
+      }
+      if (split > 1) __syncthreads();  // partial is reused
+    }
+  }
+}
+
+// Warps sharing a tile's reduction: enough that each still streams at least 8 chunks (16 KB of
+// a 16-row tile), at most the block.
+int32_t MmaSplit(int64_t length) {
+  int32_t split = 1;
+  while (split < moe::kMmaWarps && length / moe::kMmaChunk / (2 * split) >= 8) split *= 2;
+  return split;
+}
+
 // out[t] = sum over the token's local experts, ascending id, of weight * output; then + shared.
 // Block (token, 256 hidden dims): every thread's top_k loads are independent.
 __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w) {
@@ -382,18 +485,38 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
       p.topk_ids, p.tokens, p.top_k, p.first_expert, p.num_local_experts, w, active_count);
   TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
-  const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);
-  const unsigned up_blocks =
-      static_cast<unsigned>(std::min<int64_t>(max_blocks, most_active * up_tiles));
-  GateUpKernel<8><<<up_blocks, kThreads, 0, stream>>>(p, w, up_tiles, x_vectorized);
-  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  const int64_t down_rows_per_tile = kWarps * kDownRowsPerWarp;
-  const int32_t down_tiles =
-      static_cast<int32_t>((p.hidden + down_rows_per_tile - 1) / down_rows_per_tile);
-  const unsigned down_blocks =
-      static_cast<unsigned>(std::min<int64_t>(max_blocks, most_active * down_tiles));
-  DownKernel<8><<<down_blocks, kThreads, 0, stream>>>(p, w, down_tiles, down_vectorized);
-  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // Tensor cores where both reductions come in 32-element chunks of aligned rows (every
+  // production shape); the CUDA-core kernels otherwise.
+  const bool mma_path = p.hidden % moe::kMmaChunk == 0 && p.intermediate % moe::kMmaChunk == 0 &&
+                        reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  if (mma_path) {
+    const int32_t up_split = MmaSplit(p.hidden), down_split = MmaSplit(p.intermediate);
+    const int64_t up_tiles = (p.intermediate + moe::kMmaRows - 1) / moe::kMmaRows;
+    const int64_t down_tiles = (p.hidden + moe::kMmaRows - 1) / moe::kMmaRows;
+    const int32_t up_item_tiles = moe::kMmaWarps / up_split;
+    const int32_t down_item_tiles = moe::kMmaWarps / down_split;
+    const int64_t up_items = most_active * ((up_tiles + up_item_tiles - 1) / up_item_tiles);
+    const int64_t down_items = most_active * ((down_tiles + down_item_tiles - 1) / down_item_tiles);
+    ExpertMmaKernel<true, 4><<<static_cast<unsigned>(std::min<int64_t>(max_blocks, up_items)),
+                               moe::kMmaThreads, 0, stream>>>(p, w, up_split, up_item_tiles);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    ExpertMmaKernel<false, 4><<<static_cast<unsigned>(std::min<int64_t>(max_blocks, down_items)),
+                                moe::kMmaThreads, 0, stream>>>(p, w, down_split, down_item_tiles);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else {
+    const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);
+    const unsigned up_blocks =
+        static_cast<unsigned>(std::min<int64_t>(max_blocks, most_active * up_tiles));
+    GateUpKernel<8><<<up_blocks, kThreads, 0, stream>>>(p, w, up_tiles, x_vectorized);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const int64_t down_rows_per_tile = kWarps * kDownRowsPerWarp;
+    const int32_t down_tiles =
+        static_cast<int32_t>((p.hidden + down_rows_per_tile - 1) / down_rows_per_tile);
+    const unsigned down_blocks =
+        static_cast<unsigned>(std::min<int64_t>(max_blocks, most_active * down_tiles));
+    DownKernel<8><<<down_blocks, kThreads, 0, stream>>>(p, w, down_tiles, down_vectorized);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   const dim3 combine_grid(static_cast<unsigned>((p.hidden + 255) / 256),
                           static_cast<unsigned>(p.tokens));
   CombineKernel<<<combine_grid, 256, 0, stream>>>(p, w);
