@@ -432,5 +432,52 @@ TEST_F(CudaForwardTest, StepAccountCoversThePhases) {
   }
 }
 
+// Each sequence is summarized with its own sampling parameters on the device: the candidates
+// come back per sequence, best first, led by the argmax, and only a sampling sequence has a
+// sampled token.
+TEST_F(CudaForwardTest, SummariesFollowEachSequencesSampling) {
+  const std::string dir = WriteModel(Models()[2]);  // tiny-kimi
+  SoloCommunicator solo;
+  ModelRunnerOptions options;
+  options.kv_page_size = 16;
+  options.kv_pages = 64;
+  options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
+    return MakeCudaForward(w, c, k, {});
+  };
+  auto runner = ModelRunner::Create(dir, options, &solo);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ForwardRequest request;
+  request.return_logits = true;
+  request.segments.push_back({.sequence_id = 1,
+                              .token_ids = {3, 1, 4, 1, 5},
+                              .parents = SegmentTree::ChainParents(5),
+                              .sampling = {.temperature = 0.8f, .seed = 42, .candidates = 4}});
+  request.segments.push_back(
+      {.sequence_id = 2, .token_ids = {2, 7, 1}, .parents = SegmentTree::ChainParents(3)});
+  auto result = (*runner)->Forward(request);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const int64_t vocab = (*runner)->config().vocab_size;
+  const SegmentOutput& sampled = result->segments[0];
+  const SegmentOutput& greedy = result->segments[1];
+  ASSERT_EQ(sampled.candidates.size(), 5u * 4);
+  EXPECT_TRUE(greedy.candidates.empty());
+  for (size_t r = 0; r < 5; ++r) {
+    const float* row = sampled.logits.data() + r * vocab;
+    const int64_t argmax = std::max_element(row, row + vocab) - row;
+    EXPECT_EQ(sampled.summaries[r].argmax, argmax);
+    EXPECT_EQ(sampled.candidates[r * 4].token_id, argmax);
+    EXPECT_EQ(sampled.candidates[r * 4].logit, row[argmax]);
+    for (int k = 1; k < 4; ++k) {
+      EXPECT_LE(sampled.candidates[r * 4 + k].logit, sampled.candidates[r * 4 + k - 1].logit);
+    }
+    EXPECT_GE(sampled.summaries[r].sampled_token, 0);
+    EXPECT_LT(sampled.summaries[r].sampled_token, vocab);
+    EXPECT_EQ(sampled.summaries[r].sampled_logit, row[sampled.summaries[r].sampled_token]);
+  }
+  for (const kernels::NodeSummary& summary : greedy.summaries) {
+    EXPECT_EQ(summary.sampled_token, -1);  // greedy only
+  }
+}
+
 }  // namespace
 }  // namespace treeverify::worker

@@ -10,6 +10,7 @@
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
@@ -254,6 +255,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   staging_.clear();
   const size_t token_ids = Stage(batch.token_ids, staging_);
   const size_t positions = Stage(batch.positions, staging_);
+  const size_t sample_positions = Stage(batch.sample_positions, staging_);
   const size_t slots = Stage(batch.slots, staging_);
   const size_t row_offsets = Stage(batch.row_offsets, staging_);
   const size_t committed = Stage(batch.committed_lengths, staging_);
@@ -276,6 +278,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   uint8_t* base = inputs_.buffer.get();
   inputs_.token_ids = reinterpret_cast<const int32_t*>(base + token_ids);
   inputs_.positions = reinterpret_cast<const int32_t*>(base + positions);
+  inputs_.sample_positions = reinterpret_cast<const int64_t*>(base + sample_positions);
   inputs_.slots = reinterpret_cast<const int64_t*>(base + slots);
   inputs_.row_offsets = reinterpret_cast<const int32_t*>(base + row_offsets);
   inputs_.committed_lengths = reinterpret_cast<const int32_t*>(base + committed);
@@ -356,14 +359,72 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
     TV_RETURN_IF_ERROR(Layers(layout, &batch.capture_layer, outputs.layer_hidden));
   }
 
+  TV_RETURN_IF_ERROR(Summarize(batch, outputs));
+  return Account(batch);
+}
+
+// Each sequence's rows with its own sampling parameters (one launch per sequence, after the
+// graph: the parameters change every step); only the summaries, the candidates and, on request,
+// the logits come back to the host.
+absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& outputs) {
+  const int64_t rows = batch.rows();
   const int64_t vocab_shard = weights_.plan.vocab.size();
-  // The fused LM-head summary is still to come: summarize on the host for now.
-  std::vector<float> logits;
-  TV_RETURN_IF_ERROR(CopyToHost(activations_.logits.get(), rows * vocab_shard, logits));
-  TV_RETURN_IF_ERROR(Account(batch));
-  TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
-                                     static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
-  if (batch.return_logits) outputs.logits = std::move(logits);
+
+  int64_t candidate_slots = 0;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    candidate_slots +=
+        int64_t{batch.row_offsets[s + 1] - batch.row_offsets[s]} * batch.sampling[s].candidates;
+  }
+  if (summaries_.size() < rows || candidates_.size() < candidate_slots) {
+    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Grow(summaries_, activations_.capacity));
+    TV_RETURN_IF_ERROR(Grow(candidates_, std::max<int64_t>(candidate_slots, 1)));
+  }
+  int64_t candidate_offset = 0;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    const SegmentSampling& sampling = batch.sampling[s];
+    const int64_t begin = batch.row_offsets[s];
+    const int64_t count = batch.row_offsets[s + 1] - begin;
+    TV_RETURN_IF_ERROR(cuda::LmHeadSummary(
+        {.logits = activations_.logits.get() + begin * vocab_shard,
+         .out = summaries_.get() + begin,
+         .rows = count,
+         .vocab_shard = vocab_shard,
+         .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
+         .temperature = sampling.temperature,
+         .seed = sampling.seed,
+         .positions = inputs_.sample_positions + begin,
+         .num_candidates = sampling.candidates,
+         .candidates = sampling.candidates > 0 ? candidates_.get() + candidate_offset : nullptr},
+        stream_));
+    candidate_offset += count * sampling.candidates;
+  }
+  outputs.summaries.resize(rows);
+  TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(outputs.summaries.data(), summaries_.get(),
+                                          rows * sizeof(kernels::NodeSummary),
+                                          cudaMemcpyDeviceToHost, stream_));
+  std::vector<kernels::Candidate> all(candidate_offset);
+  if (candidate_offset > 0) {
+    TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(all.data(), candidates_.get(),
+                                            candidate_offset * sizeof(kernels::Candidate),
+                                            cudaMemcpyDeviceToHost, stream_));
+  }
+  if (batch.return_logits) {
+    outputs.logits.resize(rows * vocab_shard);
+    TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(outputs.logits.data(), activations_.logits.get(),
+                                            outputs.logits.size() * sizeof(float),
+                                            cudaMemcpyDeviceToHost, stream_));
+  }
+  TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  outputs.candidates.resize(batch.sequences());
+  candidate_offset = 0;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    const int64_t size =
+        int64_t{batch.row_offsets[s + 1] - batch.row_offsets[s]} * batch.sampling[s].candidates;
+    outputs.candidates[s].assign(all.begin() + candidate_offset,
+                                 all.begin() + candidate_offset + size);
+    candidate_offset += size;
+  }
   return absl::OkStatus();
 }
 

@@ -17,6 +17,7 @@
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/gemm.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
+#include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
@@ -589,6 +590,76 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
   }
 }
 
+// The summary of the same fp32 logits on both backends: greedy fields, the Gumbel winner and the
+// candidates equal; the log-sum-exps (double sums in another order) within an ulp or two.
+TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
+  const unsigned seed = 510;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const int64_t vocab : {int64_t{7}, int64_t{733}, int64_t{20480}}) {
+    for (const float temperature : {0.0f, 0.7f}) {
+      for (const int32_t candidates : {0, 5, 9}) {
+        SCOPED_TRACE(testing::Message()
+                     << "vocab " << vocab << ", T " << temperature << ", K " << candidates);
+        const int64_t rows = 5;
+        std::vector<float> logits = Random(rng, rows * vocab, 3.0f);
+        logits[1] = logits[2] = 50.0f;  // a tie for the maximum: the smaller id wins
+        if (vocab > 10) logits[vocab + 3] = logits[vocab + 4];  // a tie among candidates
+        std::vector<int64_t> positions(rows);
+        for (int64_t& p : positions) p = std::uniform_int_distribution<int64_t>(0, 100000)(rng);
+        LmHeadSummaryParams params{.rows = rows,
+                                   .vocab_shard = vocab,
+                                   .vocab_begin = 1000,
+                                   .temperature = temperature,
+                                   .seed = 0x1234abcdULL,
+                                   .num_candidates = candidates};
+        std::vector<NodeSummary> expected(rows);
+        std::vector<Candidate> expected_candidates(rows * candidates);
+        params.logits = logits.data();
+        params.positions = positions.data();
+        params.out = expected.data();
+        params.candidates = expected_candidates.data();
+        ASSERT_TRUE(cpu::LmHeadSummary(params).ok());
+        DeviceBuffer<float> d_logits(logits.size());
+        DeviceBuffer<int64_t> d_positions(rows);
+        DeviceBuffer<NodeSummary> d_out(rows);
+        DeviceBuffer<Candidate> d_candidates(std::max<int64_t>(1, rows * candidates));
+        d_logits.CopyFrom(logits);
+        d_positions.CopyFrom(positions);
+        params.logits = d_logits.get();
+        params.positions = d_positions.get();
+        params.out = d_out.get();
+        params.candidates = d_candidates.get();
+        ASSERT_TRUE(LmHeadSummary(params, nullptr).ok());
+        const std::vector<NodeSummary> actual = d_out.ToHost();
+        for (int64_t r = 0; r < rows; ++r) {
+          EXPECT_EQ(actual[r].argmax, expected[r].argmax) << "row " << r;
+          EXPECT_EQ(actual[r].max_logit, expected[r].max_logit) << "row " << r;
+          EXPECT_NEAR(actual[r].log_sum_exp, expected[r].log_sum_exp,
+                      2e-6f * std::abs(expected[r].log_sum_exp) + 1e-6f);
+          EXPECT_EQ(actual[r].sampled_token, expected[r].sampled_token) << "row " << r;
+          EXPECT_EQ(actual[r].sampled_logit, expected[r].sampled_logit) << "row " << r;
+          if (std::isfinite(expected[r].sampled_score)) {
+            EXPECT_NEAR(actual[r].sampled_score, expected[r].sampled_score,
+                        1e-12 * (1.0 + std::abs(expected[r].sampled_score)));
+          } else {  // greedy: the default -inf
+            EXPECT_EQ(actual[r].sampled_score, expected[r].sampled_score);
+          }
+          EXPECT_NEAR(actual[r].log_sum_exp_at_temperature, expected[r].log_sum_exp_at_temperature,
+                      2e-6f * std::abs(expected[r].log_sum_exp_at_temperature) + 1e-6f);
+        }
+        if (candidates > 0) {
+          const std::vector<Candidate> got = d_candidates.ToHost();
+          for (int64_t i = 0; i < rows * candidates; ++i) {
+            EXPECT_EQ(got[i].token_id, expected_candidates[i].token_id) << "candidate " << i;
+            EXPECT_EQ(got[i].logit, expected_candidates[i].logit) << "candidate " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Parameter checks happen before any CUDA call, so they run without a GPU too.
 TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   EXPECT_EQ(Embedding({.tokens = 1, .hidden = 0}, nullptr).code(),
@@ -604,6 +675,10 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   EXPECT_EQ(Rope(RopeParamsOf<float, Bf16>{.rows = 1, .rope_dim = 1024}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SiluMul({.rows = -1, .dim = 4}, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LmHeadSummary({.rows = 1, .vocab_shard = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LmHeadSummary({.rows = 1, .vocab_shard = 8, .num_candidates = 1025}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KvAppend({.count = 1, .row_dim = 0}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KvCopy({.count = 1, .row_dim = 4, .num_slots = 2, .num_layers = 0}, nullptr).code(),

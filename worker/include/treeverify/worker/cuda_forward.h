@@ -8,9 +8,8 @@
 //     return MakeCudaForward(w, c, k, {.device_ordinal = 0});
 //   };
 //
-// Still to come (issue 5): the fused LM-head summary (the logits are copied to the host and
-// summarized there), CUDA graphs, NCCL (with W > 1 the all-reduces go through the host
-// communicator).
+// Still to come (issue 5): NCCL (with W > 1 the all-reduces go through the host communicator,
+// and steps run eagerly), prefill in the MHA form.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -113,6 +112,7 @@ class CudaForward final : public ForwardBackend {
     DeviceArray<uint8_t> buffer;
     const int32_t* token_ids = nullptr;          // [rows]
     const int32_t* positions = nullptr;          // [rows]
+    const int64_t* sample_positions = nullptr;   // [rows]
     const int64_t* slots = nullptr;              // [rows]
     const int32_t* row_offsets = nullptr;        // [sequences + 1]
     const int32_t* committed_lengths = nullptr;  // [sequences]
@@ -136,6 +136,8 @@ class CudaForward final : public ForwardBackend {
   absl::Status Layers(const StepLayout& layout, const std::vector<bool>* capture,
                       std::vector<std::vector<float>>& hidden_states);
   absl::Status RunGraph(const StepLayout& layout);
+  // The per-node summaries (and candidates, and logits on request) into outputs.
+  absl::Status Summarize(const BatchInputs& batch, ForwardOutputs& outputs);
   absl::Status Attention(int64_t layer, const StepLayout& layout);
   absl::Status Mlp(int64_t layer, int64_t rows);
   // out = down(silu(gate . x) * (up . x)) of the normed rows.
@@ -157,6 +159,8 @@ class CudaForward final : public ForwardBackend {
   StepInputs inputs_;
   std::vector<uint8_t> staging_;
   std::vector<int32_t> padded_pages_;
+  DeviceArray<kernels::NodeSummary> summaries_;  // [capacity]
+  DeviceArray<kernels::Candidate> candidates_;   // every sequence's [rows, candidates], packed
   bool use_graphs_ = true;
   bool capturing_ = false;
   int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
