@@ -38,6 +38,7 @@
 #include "nlohmann/json.hpp"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
+#include "treeverify/kernels/cuda/copy_bandwidth.h"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
 
@@ -105,20 +106,6 @@ __global__ void FillRandom(__nv_bfloat16* data, int64_t count, uint32_t seed) {
 void Fill(__nv_bfloat16* data, int64_t count, uint32_t seed) {
   FillRandom<<<1024, 256>>>(data, count, seed);
   CHECK_CUDA(cudaGetLastError());
-}
-
-// The copy ceiling: 16-byte loads and stores, four in flight per thread, a grid-stride loop.
-__global__ void CopyKernel(const uint4* __restrict__ src, uint4* __restrict__ dst, int64_t count) {
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  for (; i + 3 * stride < count; i += 4 * stride) {
-    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-    dst[i] = a;
-    dst[i + stride] = b;
-    dst[i + 2 * stride] = c;
-    dst[i + 3 * stride] = d;
-  }
-  for (; i < count; i += stride) dst[i] = src[i];
 }
 
 // The streaming probe: reads `count` 16-byte units (eight loads in flight per thread) and keeps
@@ -333,11 +320,14 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
   });
   c.memcpy_bytes_per_s = 2.0 * bytes / (TimeGraph(copy, stream, 10) * 1e-3);
   CHECK_CUDA(cudaGraphExecDestroy(copy));
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaGraphExec_t kernel_copy = Capture(stream, [&] {
-    CopyKernel<<<sms * 8, 256, 0, stream>>>(reinterpret_cast<const uint4*>(src),
-                                            reinterpret_cast<uint4*>(dst), bytes / 16);
+    // The copy ceiling: 16-byte loads and stores, four in flight per thread (copy_bandwidth.h).
+    const absl::Status copied =
+        treeverify::kernels::cuda::CopyWith16ByteLoads(src, dst, bytes, stream);
+    if (!copied.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(copied.message()).c_str());
+      std::exit(1);
+    }
   });
   c.kernel_copy_bytes_per_s = 2.0 * bytes / (TimeGraph(kernel_copy, stream, 10) * 1e-3);
   CHECK_CUDA(cudaGraphExecDestroy(kernel_copy));

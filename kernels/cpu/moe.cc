@@ -31,26 +31,10 @@
 #include "treeverify/kernels/activation.h"
 #include "treeverify/kernels/gemm.h"
 #include "treeverify/kernels/status.h"
+#include "treeverify/kernels/top_k.h"
 
 namespace treeverify::kernels::cpu {
 namespace {
-
-// Writes to best[0, k) the indices of the k largest of values[0, n), best first. Among equal
-// values the lower index wins (it is seen first and only a strictly larger value displaces it).
-void TopK(const float* values, int32_t n, int32_t k, int32_t* best) {
-  int32_t size = 0;
-  for (int32_t i = 0; i < n; ++i) {
-    const float value = values[i];
-    if (size == k && !(value > values[best[k - 1]])) continue;
-    int32_t pos = size < k ? size : k - 1;
-    while (pos > 0 && value > values[best[pos - 1]]) {
-      best[pos] = best[pos - 1];
-      --pos;
-    }
-    best[pos] = i;
-    if (size < k) ++size;
-  }
-}
 
 void SortAscending(int32_t* ids, int32_t n) {
   for (int32_t i = 1; i < n; ++i) {

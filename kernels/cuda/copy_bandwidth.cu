@@ -54,6 +54,21 @@ absl::StatusOr<double> MedianBytesPerSecond(Resources& r, int64_t bytes, cudaStr
 
 }  // namespace
 
+absl::Status CopyWith16ByteLoads(const void* src, void* dst, int64_t bytes, cudaStream_t stream) {
+  if (bytes < 0 || bytes % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CopyWith16ByteLoads: ", bytes, " bytes, pointers 16-byte aligned needed"));
+  }
+  int device = 0, multiprocessors = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  CopyKernel<<<multiprocessors * 8, 256, 0, stream>>>(static_cast<const uint4*>(src),
+                                                      static_cast<uint4*>(dst), bytes / 16);
+  return CudaStatus(cudaGetLastError(), "CopyKernel launch");
+}
+
 absl::StatusOr<double> MeasureCopyBandwidth(int64_t bytes, cudaStream_t stream) {
   if (bytes < (int64_t{64} << 20) || bytes % 16 != 0) {
     return absl::InvalidArgumentError(
@@ -65,15 +80,8 @@ absl::StatusOr<double> MeasureCopyBandwidth(int64_t bytes, cudaStream_t stream) 
   TV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(r.src, 1, bytes, stream));
   TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&r.start));
   TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&r.stop));
-  int device = 0, multiprocessors = 0;
-  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  TV_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   TV_ASSIGN_OR_RETURN(const double kernel, MedianBytesPerSecond(r, bytes, stream, [&] {
-                        CopyKernel<<<multiprocessors * 8, 256, 0, stream>>>(
-                            static_cast<const uint4*>(r.src), static_cast<uint4*>(r.dst),
-                            bytes / 16);
-                        return CudaStatus(cudaGetLastError(), "CopyKernel launch");
+                        return CopyWith16ByteLoads(r.src, r.dst, bytes, stream);
                       }));
   TV_ASSIGN_OR_RETURN(const double memcpy, MedianBytesPerSecond(r, bytes, stream, [&] {
                         return CudaStatus(

@@ -17,6 +17,8 @@
 
 #include "element_convert.cuh"
 #include "mma_sync_primitives.cuh"
+#include "moe_workspace.cuh"
+#include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
 
@@ -69,6 +71,108 @@ __device__ __forceinline__ void MmaRows(const __nv_bfloat16* const (&rows_g)[kMa
       }
     }
   }
+}
+
+// The tensor-core path (cuda/moe_expert_mma_kernel.cuh): gate/up (kGateUp) or down tiles of 16
+// rows of one active expert. The block's warps form groups of `split` warps that share one tile
+// and split its reduction (long rows: the hidden dim); short rows (256 columns under split
+// inside) take split 1, a tile per warp. A work item is (active expert, kMmaWarps / split tiles).
+template <bool kGateUp, int kUnroll>
+__global__ void __launch_bounds__(kMmaThreads)
+    ExpertMmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t split,
+                    int32_t item_tiles) {
+  constexpr int kMatrices = kGateUp ? 2 : 1;
+  __shared__ float partial[kMmaWarps][kMatrices][32][4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int part = warp % split;  // which share of the reduction
+  const int tile_in_item = warp / split;
+  const int64_t length = kGateUp ? p.hidden : p.intermediate;  // the reduction
+  const int64_t rows_total = kGateUp ? p.intermediate : p.hidden;
+  const int64_t chunks = length / kMmaChunk;
+  const int64_t per_part = (chunks + split - 1) / split;
+  const int64_t begin = min(chunks, part * per_part);
+  const int64_t end = min(chunks, begin + per_part);
+  const int64_t tiles = (rows_total + kMmaRows - 1) / kMmaRows;
+  const int64_t items_per_expert = (tiles + item_tiles - 1) / item_tiles;
+  const int64_t items = int64_t{*w.num_active} * items_per_expert;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int32_t expert = w.active[item / items_per_expert];
+    const int64_t row0 = ((item % items_per_expert) * item_tiles + tile_in_item) * kMmaRows;
+    const int32_t first_pair = w.offsets[expert], end_pair = w.offsets[expert + 1];
+    // Rows past the last repeat it (their results are not stored).
+    const int64_t row_g = min(row0 + g, rows_total - 1);
+    const int64_t row_g8 = min(row0 + g + 8, rows_total - 1);
+    const Bf16* matrices[kMatrices];
+    if constexpr (kGateUp) {
+      matrices[0] = p.gate_proj[expert];
+      matrices[1] = p.up_proj[expert];
+    } else {
+      matrices[0] = p.down_proj[expert];
+    }
+    const Bf16* rows_g[kMatrices];
+    const Bf16* rows_g8[kMatrices];
+#pragma unroll
+    for (int m = 0; m < kMatrices; ++m) {
+      rows_g[m] = matrices[m] + row_g * length;
+      rows_g8[m] = matrices[m] + row_g8 * length;
+    }
+    for (int32_t pass = first_pair; pass < end_pair; pass += kMmaTokens) {
+      const int count = min(kMmaTokens, end_pair - pass);
+      const bool has_token = g < count;
+      const int32_t pair = pass + min(g, count - 1);
+      const Bf16* x = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
+                              : w.activated + int64_t{pair} * p.intermediate;
+      float acc[kMatrices][4] = {};
+      if (row0 < rows_total) {
+        MmaRows<kMatrices, kUnroll>(rows_g, rows_g8, x, has_token, begin, end, t, acc);
+      }
+      if (split > 1) {
+#pragma unroll
+        for (int m = 0; m < kMatrices; ++m) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) partial[warp][m][lane][i] = acc[m][i];
+        }
+        __syncthreads();
+        if (part == 0) {  // the group's first warp adds the others' shares in warp order
+          for (int from = warp + 1; from < warp + split; ++from) {
+#pragma unroll
+            for (int m = 0; m < kMatrices; ++m) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][i] += partial[from][m][lane][i];
+            }
+          }
+        }
+      }
+      if (part == 0) {
+        // Accumulator i: row g (+ 8 for i >= 2), token 2t + (i & 1).
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = row0 + g + (i >= 2 ? 8 : 0);
+          const int token = 2 * t + (i & 1);
+          if (row >= rows_total || token >= count) continue;
+          if constexpr (kGateUp) {
+            // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
+            const float gate = acc[0][i];
+            const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
+            w.activated[int64_t{pass + token} * p.intermediate + row] =
+                FromFloat<Bf16>(__fmul_rn(silu, acc[1][i]));
+          } else {
+            w.expert_out[int64_t{w.pair_entry[pass + token]} * p.hidden + row] = acc[0][i];
+          }
+        }
+      }
+      if (split > 1) __syncthreads();  // partial is reused
+    }
+  }
+}
+
+// Warps sharing a tile's reduction: enough that each still streams at least 8 chunks (16 KB of
+// a 16-row tile), at most the block.
+inline int32_t MmaSplit(int64_t length) {
+  int32_t split = 1;
+  while (split < kMmaWarps && length / kMmaChunk / (2 * split) >= 8) split *= 2;
+  return split;
 }
 
 }  // namespace treeverify::kernels::cuda::moe

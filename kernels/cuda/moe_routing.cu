@@ -1,11 +1,12 @@
 // MoE routing, one block per token. The scores are computed by all threads; the group top-k
-// runs on one thread as the CPU op's TopK walks it (a few groups), the expert top-k as top_k
+// runs on one thread with the CPU op's own TopK (top_k.h; a few groups), the expert top-k as top_k
 // rounds of a block-wide arg-max (a single thread walking 384 experts took 66 us per layer).
 #include <cfloat>
 #include <cstdint>
 
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/top_k.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -13,23 +14,6 @@ namespace {
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kRoutingThreads = 256;
-
-// The CPU op's TopK: best[0, k) = indices of the k largest of values[0, n), best first; among
-// equal values the lower index wins.
-__device__ void TopK(const float* values, int32_t n, int32_t k, int32_t* best) {
-  int32_t size = 0;
-  for (int32_t i = 0; i < n; ++i) {
-    const float value = values[i];
-    if (size == k && !(value > values[best[k - 1]])) continue;
-    int32_t pos = size < k ? size : k - 1;
-    while (pos > 0 && value > values[best[pos - 1]]) {
-      best[pos] = best[pos - 1];
-      --pos;
-    }
-    best[pos] = i;
-    if (size < k) ++size;
-  }
-}
 
 // Block-wide reductions in double over one value per thread, fixed order.
 __device__ double BlockMax(double value, double* scratch) {

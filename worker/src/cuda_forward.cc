@@ -399,6 +399,7 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
         stream_));
     candidate_offset += count * sampling.candidates;
   }
+  TV_RETURN_IF_ERROR(Mark(StepPhase::kLmHead));  // the summaries count to the LM head
   outputs.summaries.resize(rows);
   TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(outputs.summaries.data(), summaries_.get(),
                                           rows * sizeof(kernels::NodeSummary),
@@ -429,7 +430,16 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
 }
 
 absl::Status CudaForward::RunGraph(const StepLayout& layout) {
+  if (graphs_.size() >= kMaxGraphs && !graphs_.contains(layout)) {
+    auto oldest = graphs_.begin();
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+      if (it->second.last_used < oldest->second.last_used) oldest = it;
+    }
+    if (oldest->second.exec != nullptr) cudaGraphExecDestroy(oldest->second.exec);
+    graphs_.erase(oldest);
+  }
   Graph& graph = graphs_[layout];
+  graph.last_used = ++graph_clock_;
   if (graph.exec != nullptr && graph.epoch == buffers_epoch_) {
     marks_ = graph.marks;
     return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");

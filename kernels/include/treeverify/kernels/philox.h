@@ -14,11 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define TV_HOST_DEVICE __host__ __device__
-#else
-#define TV_HOST_DEVICE
-#endif
+#include "treeverify/kernels/host_device.h"
 
 namespace treeverify::kernels {
 

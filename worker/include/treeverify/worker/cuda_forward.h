@@ -106,7 +106,11 @@ class CudaForward final : public ForwardBackend {
     int64_t epoch = 0;  // buffers_epoch_ when seen or captured
     cudaGraphExec_t exec = nullptr;
     std::vector<StepPhase> marks;  // the phase events the graph records
+    int64_t last_used = 0;         // graph_clock_ at its last step
   };
+  // Layouts are exact (not yet padded to buckets), so a long-running worker meets many: past
+  // this many, the least recently used graph is dropped.
+  static constexpr size_t kMaxGraphs = 64;
   // The step's inputs on the device, packed in one buffer and copied in one go.
   struct StepInputs {
     DeviceArray<uint8_t> buffer;
@@ -165,6 +169,7 @@ class CudaForward final : public ForwardBackend {
   bool capturing_ = false;
   int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
   std::map<StepLayout, Graph> graphs_;
+  int64_t graph_clock_ = 0;
   // (sequences, most rows of one sequence, row capacity) -> plan.
   std::map<std::tuple<int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
   DeviceArray<uint8_t> mla_workspace_;

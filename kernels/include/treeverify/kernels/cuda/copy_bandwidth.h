@@ -18,4 +18,8 @@ namespace treeverify::kernels::cuda {
 // duration of the measurement.
 absl::StatusOr<double> MeasureCopyBandwidth(int64_t bytes, cudaStream_t stream);
 
+// The copy kernel itself (one launch, graph-capturable), for benchmarks that time it their way:
+// `bytes` a multiple of 16, both pointers 16-byte aligned.
+absl::Status CopyWith16ByteLoads(const void* src, void* dst, int64_t bytes, cudaStream_t stream);
+
 }  // namespace treeverify::kernels::cuda

@@ -1,0 +1,52 @@
+// The MoE experts' device workspace and the block shapes of their kernels, shared by the grouping,
+// the expert kernels (tensor-core and CUDA-core paths) and the combine (cuda/moe.h has the plan).
+#pragma once
+
+#include <cstdint>
+
+#include "treeverify/kernels/cuda/bf16.h"
+
+namespace treeverify::kernels::cuda::moe {
+
+inline constexpr int kThreads = 256;
+inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kTokensPerPass = 8;
+inline constexpr int kGroupThreads = 1024;
+
+inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Where the workspace's pieces are.
+struct Workspace {
+  int32_t* num_active;  // [1]
+  int32_t* active;      // [num_local] local ids of the experts with tokens, ascending
+  int32_t* offsets;     // [num_local + 1] each local expert's pairs
+  int32_t* pair_token;  // [tokens * top_k] grouped by expert, token order within
+  int32_t* pair_entry;  // [tokens * top_k] token * top_k + slot of each grouped pair
+  Bf16* activated;      // [tokens * top_k, intermediate] by grouped pair
+  float* expert_out;    // [tokens * top_k, hidden] by entry (token * top_k + slot)
+  int64_t bytes;
+};
+
+inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_local,
+                       int64_t intermediate, int64_t hidden) {
+  const int64_t pairs = tokens * top_k;
+  Workspace w{};
+  auto* at = static_cast<uint8_t*>(base);
+  int64_t offset = 0;
+  auto take = [&](int64_t bytes) {
+    uint8_t* piece = at == nullptr ? nullptr : at + offset;
+    offset += Align256(bytes);
+    return piece;
+  };
+  w.num_active = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
+  w.active = reinterpret_cast<int32_t*>(take(num_local * sizeof(int32_t)));
+  w.offsets = reinterpret_cast<int32_t*>(take((num_local + 1) * sizeof(int32_t)));
+  w.pair_token = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
+  w.pair_entry = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
+  w.activated = reinterpret_cast<Bf16*>(take(pairs * intermediate * sizeof(Bf16)));
+  w.expert_out = reinterpret_cast<float*>(take(pairs * hidden * sizeof(float)));
+  w.bytes = offset;
+  return w;
+}
+
+}  // namespace treeverify::kernels::cuda::moe
