@@ -479,5 +479,21 @@ TEST_F(CudaForwardTest, SummariesFollowEachSequencesSampling) {
   }
 }
 
+// Where there is no GPU (CI, a developer's laptop), asking for the CUDA backend is a clear
+// FAILED_PRECONDITION, not a crash. (On a GPU machine only the options check runs.)
+TEST(CudaForwardWithoutGpuTest, RefusesWithAFailedPrecondition) {
+  EXPECT_EQ(CudaForwardOptions{.device_ordinal = -1}.Validate().code(),
+            absl::StatusCode::kInvalidArgument);
+  if (kernels::cuda::QueryDevice(0).ok()) GTEST_SKIP() << "this machine has a GPU";
+  const std::string dir = WriteModel(Models().back());
+  SoloCommunicator solo;
+  ModelRunnerOptions options;
+  options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
+    return MakeCudaForward(w, c, k, {});
+  };
+  const auto runner = ModelRunner::Create(dir, options, &solo);
+  EXPECT_EQ(runner.status().code(), absl::StatusCode::kFailedPrecondition) << runner.status();
+}
+
 }  // namespace
 }  // namespace treeverify::worker

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda_test_base.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "treeverify/kernels/cuda/activation.h"
 #include "treeverify/kernels/cuda/embedding.h"
@@ -682,6 +683,47 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   EXPECT_EQ(KvAppend({.count = 1, .row_dim = 0}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KvCopy({.count = 1, .row_dim = 4, .num_slots = 2, .num_layers = 0}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // MoE: routing that cannot be done, and expert launches whose workspace is too small (the
+  // pointers are never dereferenced: the checks come first).
+  float logits = 0.0f;
+  int32_t ids = 0;
+  const MoeRoutingParams routing{.router_logits = &logits,
+                                 .topk_ids = &ids,
+                                 .topk_weights = &logits,
+                                 .tokens = 1,
+                                 .num_experts = 8,
+                                 .top_k = 9,
+                                 .method = MoeTopkMethod::kGreedy};
+  EXPECT_EQ(MoeRouting(routing, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  MoeRoutingParams no_bias = routing;
+  no_bias.top_k = 2;
+  no_bias.method = MoeTopkMethod::kNoauxTc;  // needs a correction bias
+  EXPECT_EQ(MoeRouting(no_bias, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  const Bf16* weights[1] = {nullptr};
+  Bf16 x{};
+  alignas(256) static uint8_t workspace[256];
+  const MoeExpertsParamsOf<Bf16, Bf16> experts{.x = &x,
+                                               .topk_ids = &ids,
+                                               .topk_weights = &logits,
+                                               .gate_proj = weights,
+                                               .up_proj = weights,
+                                               .down_proj = weights,
+                                               .out = &logits,
+                                               .tokens = 4,
+                                               .top_k = 2,
+                                               .hidden = 64,
+                                               .intermediate = 32,
+                                               .num_local_experts = 8};
+  const int64_t needed = MoeExpertsWorkspaceBytes(4, 2, 8, 32, 64);
+  EXPECT_GT(needed, 256);
+  const absl::Status small = MoeExperts(experts, workspace, 256, nullptr);
+  EXPECT_EQ(small.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(small.message()), testing::HasSubstr(std::to_string(needed)));
+  MoeExpertsParamsOf<Bf16, Bf16> too_many = experts;
+  too_many.tokens = 65536;  // the combine's grid
+  EXPECT_EQ(MoeExperts(too_many, workspace, 256, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
