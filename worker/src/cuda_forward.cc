@@ -105,17 +105,22 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
                                                    c.num_hidden_layers));
   }
   TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
+  // Everything that can fail comes before the backend exists: it owns the stream from then on,
+  // and a failed Create leaves the stream to the caller.
+  double copy_bytes_per_second = 0.0;
+  DeviceArray<int32_t> active_experts;
+  if (options.account_steps) {
+    TV_ASSIGN_OR_RETURN(copy_bytes_per_second,
+                        cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream));
+    TV_ASSIGN_OR_RETURN(active_experts, DeviceArray<int32_t>::Allocate(c.num_hidden_layers));
+    TV_RETURN_IF_ERROR(kv_rows.EnableAccounting());
+  }
   std::unique_ptr<CudaForward> forward(
       new CudaForward(std::move(weights), kv_rows, communicator, device, stream, std::move(gemm)));
   forward->use_graphs_ = options.graphs;
-  if (options.account_steps) {
-    forward->account_steps_ = true;
-    TV_ASSIGN_OR_RETURN(forward->copy_bytes_per_second_,
-                        cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream));
-    TV_ASSIGN_OR_RETURN(forward->active_experts_,
-                        DeviceArray<int32_t>::Allocate(c.num_hidden_layers));
-    TV_RETURN_IF_ERROR(kv_rows.EnableAccounting());
-  }
+  forward->account_steps_ = options.account_steps;
+  forward->copy_bytes_per_second_ = copy_bytes_per_second;
+  forward->active_experts_ = std::move(active_experts);
   return forward;
 }
 

@@ -55,8 +55,8 @@ absl::StatusOr<ForwardParts> MakeCudaForward(const ModelWeights& weights,
 
 class CudaForward final : public ForwardBackend {
  public:
-  // Takes the stream (destroyed with the backend; the KV rows' moves run on it too). kv_rows and
-  // communicator must outlive the backend.
+  // On success the backend owns the stream (destroyed with it; the KV rows' moves run on it
+  // too); on failure the caller still does. kv_rows and communicator must outlive the backend.
   static absl::StatusOr<std::unique_ptr<CudaForward>> Create(
       DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
       const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
