@@ -40,6 +40,7 @@
 #include "tensor_map.h"
 #include "treeverify/kernels/cuda/copy_bandwidth.h"
 #include "treeverify/kernels/cuda/device.h"
+#include "treeverify/kernels/cuda/device_fill.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
 
 namespace tv = treeverify::kernels;
@@ -89,23 +90,9 @@ void CheckStatus(const absl::Status& status, const char* what) {
   }
 }
 
-// Random bf16 in [-2, 2): never zeros.
-__global__ void FillRandom(__nv_bfloat16* data, int64_t count, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed ^ static_cast<uint32_t>(i >> 32);
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    data[i] = __float2bfloat16((static_cast<float>(x & 0xFFFF) / 65536.f - 0.5f) * 4.f);
-  }
-}
-
+// Random bf16 in [-2, 2): never zeros (device_fill.h).
 void Fill(__nv_bfloat16* data, int64_t count, uint32_t seed) {
-  FillRandom<<<1024, 256>>>(data, count, seed);
-  CHECK_CUDA(cudaGetLastError());
+  CheckStatus(treeverify::kernels::cuda::FillUniform(data, count, 2.0f, seed, nullptr), "Fill");
 }
 
 // The streaming probe: reads `count` 16-byte units (eight loads in flight per thread) and keeps
@@ -322,12 +309,8 @@ Ceilings MeasureCeilings(cudaStream_t stream, cublasHandle_t cublas) {
   CHECK_CUDA(cudaGraphExecDestroy(copy));
   cudaGraphExec_t kernel_copy = Capture(stream, [&] {
     // The copy ceiling: 16-byte loads and stores, four in flight per thread (copy_bandwidth.h).
-    const absl::Status copied =
-        treeverify::kernels::cuda::CopyWith16ByteLoads(src, dst, bytes, stream);
-    if (!copied.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(copied.message()).c_str());
-      std::exit(1);
-    }
+    CheckStatus(treeverify::kernels::cuda::CopyWith16ByteLoads(src, dst, bytes, stream),
+                "copy kernel");
   });
   c.kernel_copy_bytes_per_s = 2.0 * bytes / (TimeGraph(kernel_copy, stream, 10) * 1e-3);
   CHECK_CUDA(cudaGraphExecDestroy(kernel_copy));

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "treeverify/kernels/activation.h"
 #include "treeverify/kernels/embedding.h"
 #include "treeverify/kernels/gemm.h"
@@ -21,15 +20,8 @@ namespace cpu = kernels::cpu;
 absl::StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const ModelWeights& weights,
                                                                CpuKvStorage& kv_rows,
                                                                Communicator* communicator) {
-  const ModelConfig& c = weights.config;
-  if (kv_rows.options().num_layers != c.num_hidden_layers ||
-      kv_rows.options().row_dim != c.kv_row_dim()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CpuForward: the KV rows hold ", kv_rows.options().num_layers, " layers of ",
-                     kv_rows.options().row_dim, " values, the model has ", c.num_hidden_layers,
-                     " layers of ", c.kv_row_dim()));
-  }
-  if (communicator == nullptr) return absl::InvalidArgumentError("CpuForward: no communicator");
+  TV_RETURN_IF_ERROR(
+      CheckForwardInputs("CpuForward", weights.config, kv_rows.options(), communicator));
   return std::unique_ptr<CpuForward>(new CpuForward(weights, kv_rows, communicator));
 }
 

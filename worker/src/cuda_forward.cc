@@ -91,14 +91,7 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
     DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
     const cuda::DeviceInfo& device, cudaStream_t stream, const CudaForwardOptions& options) {
   const ModelConfig& c = weights.config;
-  if (kv_rows.options().num_layers != c.num_hidden_layers ||
-      kv_rows.options().row_dim != c.kv_row_dim()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CudaForward: the KV rows hold ", kv_rows.options().num_layers, " layers of ",
-                     kv_rows.options().row_dim, " values, the model has ", c.num_hidden_layers,
-                     " layers of ", c.kv_row_dim()));
-  }
-  if (communicator == nullptr) return absl::InvalidArgumentError("CudaForward: no communicator");
+  TV_RETURN_IF_ERROR(CheckForwardInputs("CudaForward", c, kv_rows.options(), communicator));
   if (static_cast<int64_t>(weights.layers.size()) != c.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat("CudaForward: ", weights.layers.size(),
                                                    " layers of weights for a model of ",

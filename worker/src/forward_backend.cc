@@ -1,8 +1,22 @@
 #include "treeverify/worker/forward_backend.h"
 
+#include "absl/strings/str_cat.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::worker {
+
+absl::Status CheckForwardInputs(const char* backend, const ModelConfig& config,
+                                const KvCacheOptions& kv_rows, const Communicator* communicator) {
+  if (kv_rows.num_layers != config.num_hidden_layers || kv_rows.row_dim != config.kv_row_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        backend, ": the KV rows hold ", kv_rows.num_layers, " layers of ", kv_rows.row_dim,
+        " values, the model has ", config.num_hidden_layers, " layers of ", config.kv_row_dim()));
+  }
+  if (communicator == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(backend, ": no communicator"));
+  }
+  return absl::OkStatus();
+}
 
 // Each sequence has its own sampling parameters, so the summary runs once per sequence; a row's
 // summary depends only on its own logits and position, so this changes no result.

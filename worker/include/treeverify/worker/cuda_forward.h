@@ -66,8 +66,6 @@ class CudaForward final : public ForwardBackend {
   absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) override;
   std::optional<StepAccount> last_step_account() const override { return last_account_; }
 
-  cudaStream_t stream() const { return stream_; }
-
  private:
   // Activations for up to `capacity` rows.
   struct Activations {

@@ -89,6 +89,11 @@ struct ForwardParts {
 using ForwardFactory = std::function<absl::StatusOr<ForwardParts>(
     const ModelWeights& weights, const KvCacheOptions& cache, Communicator* communicator)>;
 
+// What every backend's Create checks: KV rows with the model's layers and row width, and a
+// communicator. INVALID_ARGUMENT naming `backend` otherwise.
+absl::Status CheckForwardInputs(const char* backend, const ModelConfig& config,
+                                const KvCacheOptions& kv_rows, const Communicator* communicator);
+
 // The per-sequence summaries of logits [rows, vocab shard] in host memory (outputs.summaries and
 // outputs.candidates), each sequence with its own sampling parameters.
 absl::Status SummarizeLogits(const BatchInputs& batch, const float* logits, int64_t vocab_shard,
