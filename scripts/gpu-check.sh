@@ -23,7 +23,12 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
 gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
-           tests/kernels/cuda_mla_verify_attention_test tests/worker/cuda_forward_test)
+           tests/kernels/cuda_mla_verify_attention_test tests/worker/cuda_forward_test
+           tests/worker/cuda_golden_test tests/worker/nccl_communicator_test
+           tests/integration/cuda_service_test)
+# What the service test starts, bundled beside the tests and named to them through the
+# environment (tests/integration/replica.cc), as is the source tree (the golden fixtures).
+gpu_programs=(services/treeverify-coordinator services/treeverify-worker)
 gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench)
 # Small cases for compute-sanitizer, as test binary:gtest filter. memcheck and synccheck gate on
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
@@ -39,7 +44,7 @@ case "${1:-}" in
       "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON
     rm -rf "$bundle"
     binaries=()
-    for t in "${gpu_tests[@]}" "${gpu_benches[@]}"; do
+    for t in "${gpu_tests[@]}" "${gpu_benches[@]}" "${gpu_programs[@]}"; do
       binaries+=("${BUILD_DIR:-$root/build-gpu}/$t")
     done
     bash "$root/../shared/tools/gpu-bundle.sh" "$bundle" "${binaries[@]}"
@@ -50,10 +55,21 @@ case "${1:-}" in
     # shellcheck disable=SC1091
     source "$bundle/env.sh"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+    export TREEVERIFY_SOURCE_DIR=$root
+    export TREEVERIFY_COORDINATOR_BINARY=$bundle/bin/treeverify-coordinator
+    export TREEVERIFY_WORKER_BINARY=$bundle/bin/treeverify-worker
+    # NVLink multicast stays off on the shared GPU machines (the device tool's KINDS.md).
+    export NCCL_NVLS_ENABLE=0
+    # Tests named *OnTwoGpus need two GPUs; with one they are left out, and the check says so.
+    filter=()
+    if [ "$(nvidia-smi --list-gpus | wc -l)" -lt 2 ]; then
+      filter=(--gtest_filter=-*OnTwoGpus)
+      echo "gpu-check: one GPU: the *OnTwoGpus tests are not run (the nvidia-h200-x2 kind runs them)"
+    fi
     status=0
     for t in "${gpu_tests[@]}"; do
       name=$(basename "$t")
-      if ! "$bundle/bin/$name" >"$out/$name.log" 2>&1; then
+      if ! "$bundle/bin/$name" "${filter[@]}" >"$out/$name.log" 2>&1; then
         status=1
       fi
       grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error" "$out/$name.log" | sed "s/^/$name: /" || true

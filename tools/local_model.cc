@@ -47,10 +47,20 @@ absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string
     return absl::InvalidArgumentError(absl::StrCat(
         "prefill_chunk must be in 1..", kernels::kMaxSegmentRows, ", got ", options.prefill_chunk));
   }
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<worker::InProcessGroup> group,
-                      worker::InProcessGroup::Create(options.world_size));
+  std::unique_ptr<worker::InProcessGroup> group;
+  if (!options.communicator_factory) {
+    TV_ASSIGN_OR_RETURN(group, worker::InProcessGroup::Create(options.world_size));
+  }
+  std::vector<std::unique_ptr<worker::Communicator>> communicators(options.world_size);
   std::vector<std::unique_ptr<worker::ModelRunner>> runners(options.world_size);
   TV_RETURN_IF_ERROR(ForEachRank(options.world_size, [&](int r) -> absl::Status {
+    worker::Communicator* communicator = nullptr;
+    if (group != nullptr) {
+      communicator = group->communicator(r);
+    } else {
+      TV_ASSIGN_OR_RETURN(communicators[r], options.communicator_factory(r, options.world_size));
+      communicator = communicators[r].get();
+    }
     worker::ModelRunnerOptions runner_options;
     runner_options.rank = r;
     runner_options.world_size = options.world_size;
@@ -58,16 +68,21 @@ absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string
     runner_options.kv_page_size = options.kv_page_size;
     runner_options.kv_pages = options.kv_pages;
     runner_options.forward_factory = options.forward_factory;
-    TV_ASSIGN_OR_RETURN(
-        runners[r], worker::ModelRunner::Create(model_dir, runner_options, group->communicator(r)));
+    TV_ASSIGN_OR_RETURN(runners[r],
+                        worker::ModelRunner::Create(model_dir, runner_options, communicator));
     return absl::OkStatus();
   }));
-  return std::unique_ptr<LocalModel>(new LocalModel(options, std::move(group), std::move(runners)));
+  return std::unique_ptr<LocalModel>(
+      new LocalModel(options, std::move(group), std::move(communicators), std::move(runners)));
 }
 
 LocalModel::LocalModel(LocalModelOptions options, std::unique_ptr<worker::InProcessGroup> group,
+                       std::vector<std::unique_ptr<worker::Communicator>> communicators,
                        std::vector<std::unique_ptr<worker::ModelRunner>> runners)
-    : options_(options), group_(std::move(group)), runners_(std::move(runners)) {}
+    : options_(options),
+      group_(std::move(group)),
+      communicators_(std::move(communicators)),
+      runners_(std::move(runners)) {}
 
 LocalModel::~LocalModel() = default;
 

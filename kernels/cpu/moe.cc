@@ -241,7 +241,14 @@ absl::Status MoeRouting(const MoeRoutingParams& params) {
   {
     RoutingScratch scratch(params);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) RouteToken(params, t, scratch);
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (params.routed_tokens != nullptr && t >= *params.routed_tokens) {
+        std::fill_n(params.topk_ids + t * params.top_k, params.top_k, -1);
+        std::fill_n(params.topk_weights + t * params.top_k, params.top_k, 0.0f);
+      } else {
+        RouteToken(params, t, scratch);
+      }
+    }
   }
   return absl::OkStatus();
 }

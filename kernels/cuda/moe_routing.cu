@@ -46,6 +46,13 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   __shared__ float group_scores[kMaxExperts];
   __shared__ bool group_kept[kMaxExperts];
   __shared__ double scratch[kRoutingThreads / 32];
+  if (p.routed_tokens != nullptr && static_cast<int32_t>(blockIdx.x) >= *p.routed_tokens) {
+    for (int32_t j = threadIdx.x; j < p.top_k; j += blockDim.x) {
+      p.topk_ids[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = -1;
+      p.topk_weights[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = 0.0f;
+    }
+    return;
+  }
   const int32_t num_experts = p.num_experts;
   const float* logits = p.router_logits + static_cast<int64_t>(blockIdx.x) * num_experts;
 

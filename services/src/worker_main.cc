@@ -1,5 +1,6 @@
 // treeverify-worker: one tensor-parallel rank. Serves the Worker API, forms the collective group
-// with the other ranks through the coordinator's Rendezvous service (Gloo over TCP on CPUs),
+// with the other ranks through the coordinator's Rendezvous service (Gloo over TCP on CPUs, NCCL
+// on GPUs),
 // loads its shard of the model and announces itself to the coordinator with Join. See
 // services/README.md.
 #include <unistd.h>
@@ -25,7 +26,10 @@
 #include "treeverify/worker/gloo_communicator.h"
 #include "treeverify/worker/model_runner.h"
 #ifdef TREEVERIFY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
 #include "treeverify/worker/cuda_forward.h"
+#include "treeverify/worker/nccl_communicator.h"
 #endif
 
 ABSL_FLAG(int32_t, rank, -1, "This worker's rank in [0, world size)");
@@ -38,8 +42,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "host (0.0.0.0) announces this machine's host name");
 ABSL_FLAG(std::string, backend, "cpu",
           "cpu, or cuda: the forward on a GPU (builds with a CUDA toolkit only)");
-ABSL_FLAG(int32_t, gpu, 0,
-          "With --backend cuda, the device ordinal (among those CUDA_VISIBLE_DEVICES shows)");
+ABSL_FLAG(int32_t, gpu, -1,
+          "With --backend cuda, the device ordinal (among those CUDA_VISIBLE_DEVICES shows); -1: "
+          "the rank modulo the number of visible GPUs (one rank per GPU on one machine)");
 ABSL_FLAG(int64_t, kv_pages, 1024, "KV cache pages of this rank");
 ABSL_FLAG(int32_t, kv_page_size, 64, "Tokens per KV cache page");
 ABSL_FLAG(std::string, expert_sharding, "split",
@@ -67,6 +72,21 @@ std::string HostName() {
   return name;
 }
 
+#ifdef TREEVERIFY_HAVE_CUDA
+// --gpu, or by default the rank modulo the visible GPUs. Without a GPU, 0: the forward or the
+// group then fails with FAILED_PRECONDITION naming the missing device.
+int GpuOfRank(int rank) {
+  const int flag = absl::GetFlag(FLAGS_gpu);
+  if (flag >= 0) return flag;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) {
+    cudaGetLastError();
+    return 0;
+  }
+  return rank % count;
+}
+#endif
+
 absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
   worker::ModelRunnerOptions options;
   options.rank = absl::GetFlag(FLAGS_rank);
@@ -90,7 +110,7 @@ absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend == "cuda") {
 #ifdef TREEVERIFY_HAVE_CUDA
-    const worker::CudaForwardOptions cuda{.device_ordinal = absl::GetFlag(FLAGS_gpu)};
+    const worker::CudaForwardOptions cuda{.device_ordinal = GpuOfRank(options.rank)};
     if (absl::Status status = cuda.Validate(); !status.ok()) return status;
     options.forward_factory = [cuda](const worker::ModelWeights& weights,
                                      const worker::KvCacheOptions& cache,
@@ -107,6 +127,43 @@ absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
         absl::StrCat("--backend must be cpu or cuda, got '", backend, "'"));
   }
   return options;
+}
+
+// The ranks' collective group: NCCL between GPUs (--backend cuda), Gloo over TCP between CPU
+// processes. Either way the ranks meet through the coordinator's rendezvous store, under keys
+// of this group epoch.
+absl::StatusOr<std::unique_ptr<worker::Communicator>> FormGroup(
+    const std::string& backend, int rank, int world_size, const std::string& host,
+    absl::Duration timeout, int64_t group_epoch, worker::RendezvousStore& store,
+    const std::string& program) {
+  const char* library = backend == "cuda" ? "NCCL" : "Gloo";
+  std::fprintf(stderr, "%s: forming the %s group of %d (epoch %lld)\n", program.c_str(), library,
+               world_size, static_cast<long long>(group_epoch));
+  absl::StatusOr<std::unique_ptr<worker::Communicator>> communicator;
+#ifdef TREEVERIFY_HAVE_CUDA
+  if (backend == "cuda") {
+    communicator =
+        worker::NcclCommunicator::Create({.rank = rank,
+                                          .world_size = world_size,
+                                          .device_ordinal = GpuOfRank(rank),
+                                          .timeout = timeout,
+                                          .key_prefix = absl::StrCat("nccl/", group_epoch, "/")},
+                                         &store);
+  }
+#endif
+  if (backend != "cuda") {
+    communicator =
+        worker::GlooCommunicator::Create({.rank = rank,
+                                          .world_size = world_size,
+                                          .interface_address = host,
+                                          .timeout = timeout,
+                                          .key_prefix = absl::StrCat("gloo/", group_epoch, "/")},
+                                         &store);
+  }
+  if (!communicator.ok()) {
+    return Context(communicator.status(), absl::StrCat("forming the ", library, " group"));
+  }
+  return communicator;
 }
 
 absl::Status Run(SignalWaiter& signals) {
@@ -154,16 +211,9 @@ absl::Status Run(SignalWaiter& signals) {
     return Context(status, "the coordinator is unreachable (--connect-timeout-s)");
   }
   GrpcRendezvousStore store(*channel, group_epoch);
-  std::fprintf(stderr, "%s: forming the group of %d (epoch %lld) through %s\n", program.c_str(),
-               world_size, static_cast<long long>(group_epoch), coordinator_address.c_str());
-  absl::StatusOr<std::unique_ptr<worker::GlooCommunicator>> communicator =
-      worker::GlooCommunicator::Create({.rank = rank,
-                                        .world_size = world_size,
-                                        .interface_address = host,
-                                        .timeout = collective_timeout,
-                                        .key_prefix = absl::StrCat("gloo/", group_epoch, "/")},
-                                       &store);
-  if (!communicator.ok()) return Context(communicator.status(), "forming the Gloo group");
+  absl::StatusOr<std::unique_ptr<worker::Communicator>> communicator =
+      FormGroup(backend, rank, world_size, host, collective_timeout, group_epoch, store, program);
+  if (!communicator.ok()) return communicator.status();
   std::fprintf(stderr, "%s: loading %s\n", program.c_str(), model_dir.c_str());
   absl::StatusOr<std::unique_ptr<worker::ModelRunner>> runner =
       worker::ModelRunner::Create(model_dir, *runner_options, communicator->get());

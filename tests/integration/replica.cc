@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <utility>
 
@@ -26,6 +27,13 @@ namespace {
 
 // Several processes share the machine's cores: OpenMP threads that spin while waiting, or one
 // OpenMP team per core in every worker, would make everything crawl.
+// The build's path of a file, unless the environment names another: a bundle of these tests
+// copied to the GPU machine (scripts/gpu-check.sh) finds the binaries and the source tree there.
+std::string FromEnvironmentOr(const char* variable, const char* built) {
+  const char* value = std::getenv(variable);
+  return value != nullptr && value[0] != '\0' ? value : built;
+}
+
 const std::vector<std::pair<std::string, std::string>>& ProcessEnvironment() {
   static const auto* env = new std::vector<std::pair<std::string, std::string>>{
       {"OMP_NUM_THREADS", "1"}, {"OMP_WAIT_POLICY", "PASSIVE"}};
@@ -86,7 +94,8 @@ const std::string& TinyModelDir() {
 }
 
 std::string GoldenModelDir(const std::string& name) {
-  return absl::StrCat(TREEVERIFY_SOURCE_DIR, "/tests/golden/", name);
+  return absl::StrCat(FromEnvironmentOr("TREEVERIFY_SOURCE_DIR", TREEVERIFY_SOURCE_DIR),
+                      "/tests/golden/", name);
 }
 
 absl::StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& options) {
@@ -103,9 +112,9 @@ absl::StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& op
   };
 
   ChildProcessOptions coordinator{
-      .argv = {TREEVERIFY_COORDINATOR_BINARY, "--listen", "127.0.0.1:0", "--world-size",
-               std::to_string(options.world_size), "--join-timeout-s",
-               std::to_string(absl::ToInt64Seconds(options.start_timeout))},
+      .argv = {FromEnvironmentOr("TREEVERIFY_COORDINATOR_BINARY", TREEVERIFY_COORDINATOR_BINARY),
+               "--listen", "127.0.0.1:0", "--world-size", std::to_string(options.world_size),
+               "--join-timeout-s", std::to_string(absl::ToInt64Seconds(options.start_timeout))},
       .environment = ProcessEnvironment(),
       .stderr_path = log_prefix + "coordinator.log",
       .name = "coordinator"};
@@ -123,9 +132,10 @@ absl::StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& op
 
   for (int rank = 0; rank < options.world_size; ++rank) {
     ChildProcessOptions worker{
-        .argv = {TREEVERIFY_WORKER_BINARY, "--rank", std::to_string(rank), "--world-size",
-                 std::to_string(options.world_size), "--coordinator", replica->coordinator_address_,
-                 "--model", model_dir, "--listen", "127.0.0.1:0", "--connect-timeout-s", "30"},
+        .argv = {FromEnvironmentOr("TREEVERIFY_WORKER_BINARY", TREEVERIFY_WORKER_BINARY), "--rank",
+                 std::to_string(rank), "--world-size", std::to_string(options.world_size),
+                 "--coordinator", replica->coordinator_address_, "--model", model_dir, "--listen",
+                 "127.0.0.1:0", "--connect-timeout-s", "30"},
         .environment = ProcessEnvironment(),
         .stderr_path = absl::StrCat(log_prefix, "worker", rank, ".log"),
         .name = absl::StrCat("worker rank ", rank)};

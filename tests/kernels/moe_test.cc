@@ -169,6 +169,25 @@ TEST(MoeRoutingTest, GroupLimitedGreedyPicksZeroWeightExpertsWhenKeptGroupsRunOu
   EXPECT_EQ(low.weights[1], 0.0f);
 }
 
+TEST(MoeRoutingTest, TokensPastTheRoutedCountGetNoExpert) {
+  const std::vector<float> bias(8, 0.0f);
+  MoeRoutingParams params = V3Router(8, 2, 4, 2, bias.data());
+  params.tokens = 3;
+  std::vector<float> logits(3 * 8);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = 0.1f * static_cast<float>(i % 7);
+  const Routed all = Route(params, logits);
+  const int32_t routed = 1;
+  params.routed_tokens = &routed;
+  const Routed first = Route(params, logits);
+  EXPECT_EQ(std::vector<int32_t>(first.ids.begin(), first.ids.begin() + 2),
+            std::vector<int32_t>(all.ids.begin(), all.ids.begin() + 2));
+  EXPECT_EQ(std::vector<int32_t>(first.ids.begin() + 2, first.ids.end()),
+            std::vector<int32_t>(4, -1));
+  EXPECT_EQ(std::vector<float>(first.weights.begin() + 2, first.weights.end()),
+            std::vector<float>(4, 0.0f));
+  EXPECT_NE(all.ids[2], -1);
+}
+
 TEST(MoeRoutingTest, TiesPreferLowerExpertIds) {
   const std::vector<float> equal(12, 0.25f);
   const Routed softmax = Route({.tokens = 1,

@@ -6,15 +6,12 @@
 // from the prompt must reproduce the reference continuation.
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "golden_fixture.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "treeverify/tools/local_model.h"
-#include "treeverify/worker/safetensors.h"
 #include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::worker {
@@ -22,44 +19,11 @@ namespace {
 
 constexpr double kTolerance = 2e-3;
 
-struct GoldenPrompt {
-  int prompt_length = 0;
-  std::vector<int32_t> tokens;     // prompt + reference continuation
-  std::vector<float> log_softmax;  // [tokens, vocab]
-};
-
-std::vector<GoldenPrompt> LoadGolden(const std::string& dir, int64_t vocab) {
-  std::ifstream json_file(dir + "/reference.json");
-  std::stringstream text;
-  text << json_file.rdbuf();
-  const nlohmann::json reference = nlohmann::json::parse(text.str());
-  auto file = SafetensorsFile::Open(dir + "/reference.safetensors");
-  EXPECT_TRUE(file.ok()) << file.status();
-  std::vector<GoldenPrompt> prompts;
-  if (!file.ok()) return prompts;
-  for (size_t p = 0; p < reference["prompts"].size(); ++p) {
-    GoldenPrompt prompt;
-    prompt.prompt_length = reference["prompts"][p]["prompt_length"].get<int>();
-    prompt.tokens = reference["prompts"][p]["tokens"].get<std::vector<int32_t>>();
-    const std::string name = "prompt" + std::to_string(p) + ".log_softmax";
-    const TensorInfo& info = (*file)->tensors().at(name);
-    EXPECT_EQ(info.dtype, DType::kF32);
-    EXPECT_EQ(info.shape,
-              (std::vector<int64_t>{static_cast<int64_t>(prompt.tokens.size()), vocab}));
-    auto data = (*file)->Data(name);
-    EXPECT_TRUE(data.ok());
-    prompt.log_softmax.resize(prompt.tokens.size() * vocab);
-    std::memcpy(prompt.log_softmax.data(), *data, prompt.log_softmax.size() * sizeof(float));
-    prompts.push_back(std::move(prompt));
-  }
-  return prompts;
-}
-
 class GoldenTest : public testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(GoldenTest, MatchesTransformersByTeacherForcing) {
   const auto [model_name, world_size] = GetParam();
-  const std::string dir = std::string(TREEVERIFY_SOURCE_DIR) + "/tests/golden/" + model_name;
+  const std::string dir = GoldenDir(model_name);
   tools::LocalModelOptions options;
   options.world_size = world_size;
   options.kv_page_size = 16;
@@ -122,7 +86,7 @@ TEST_P(GoldenTest, MatchesTransformersByTeacherForcing) {
 
 TEST_P(GoldenTest, GreedyDecodingReproducesTheContinuation) {
   const auto [model_name, world_size] = GetParam();
-  const std::string dir = std::string(TREEVERIFY_SOURCE_DIR) + "/tests/golden/" + model_name;
+  const std::string dir = GoldenDir(model_name);
   tools::LocalModelOptions options;
   options.world_size = world_size;
   options.kv_page_size = 16;

@@ -123,6 +123,7 @@ CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communic
     : weights_(std::move(weights)),
       kv_rows_(kv_rows),
       communicator_(communicator),
+      collectives_(communicator->world_size() > 1 ? communicator->device_collectives() : nullptr),
       device_(device),
       stream_(stream),
       gemm_(std::move(gemm)) {
@@ -131,10 +132,9 @@ CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communic
 }
 
 CudaForward::~CudaForward() {
-  cudaStreamSynchronize(stream_);
-  for (auto& [layout, graph] : graphs_) {
-    if (graph.exec != nullptr) cudaGraphExecDestroy(graph.exec);
-  }
+  // Bounded where collectives may be in flight (a failed step has already waited for them).
+  if (!Synchronize().ok()) cudaStreamSynchronize(stream_);
+  DropGraphs();
   for (cudaEvent_t event : events_) cudaEventDestroy(event);
   cudaStreamDestroy(stream_);
 }
@@ -171,6 +171,8 @@ absl::Status CudaForward::Account(const BatchInputs& batch) {
   StepAccount account;
   account.copy_bytes_per_second = copy_bytes_per_second_;
   account.rows = batch.rows();
+  account.padded_rows = LayoutOf(batch).rows;
+  account.launch = last_launch_;
   TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size()]));
   for (size_t i = 0; i < marks_.size(); ++i) {
     float ms = 0.0f;
@@ -204,7 +206,7 @@ absl::Status CudaForward::Account(const BatchInputs& batch) {
 absl::Status CudaForward::Reserve(int64_t rows) {
   if (rows <= activations_.capacity) return absl::OkStatus();
   // Whatever is in flight may still read the old buffers.
-  TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  TV_RETURN_IF_ERROR(Synchronize());
   int64_t capacity = 16;
   while (capacity < rows) capacity *= 2;
   const ModelConfig& c = weights_.config;
@@ -229,6 +231,9 @@ absl::Status CudaForward::Reserve(int64_t rows) {
   TV_RETURN_IF_ERROR(Grow(a.kv_a, capacity * c.kv_row_dim()));
   TV_RETURN_IF_ERROR(Grow(a.kv_row, capacity * c.kv_row_dim()));
   TV_RETURN_IF_ERROR(Grow(a.latent_out, capacity * heads * c.kv_lora_rank));
+  // The attention writes only the batch's rows: the padding rows read zeros here, so that every
+  // value they carry through the row-wise ops stays finite.
+  TV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.latent_out.get(), 0, a.latent_out.bytes(), stream_));
   TV_RETURN_IF_ERROR(Grow(a.lse, capacity * heads));
   TV_RETURN_IF_ERROR(Grow(a.values, capacity * heads * c.v_head_dim));
   TV_RETURN_IF_ERROR(Grow(a.gate_up, capacity * 2 * intermediate));
@@ -250,14 +255,24 @@ absl::Status CudaForward::Reserve(int64_t rows) {
 }
 
 absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& layout) {
+  // The batch's rows, then the padding rows up to the layout's: token 0 (any shard may hold it),
+  // position 0 and no cache slot (-1: nothing written). They belong to no sequence, so the
+  // attention never reads them, and the routing gives them no expert (routed_rows).
+  const int64_t rows = batch.rows();
+  const int64_t padding = layout.rows - rows;
   staging_.clear();
-  const size_t token_ids = Stage(batch.token_ids, staging_);
-  const size_t positions = Stage(batch.positions, staging_);
-  const size_t sample_positions = Stage(batch.sample_positions, staging_);
-  const size_t slots = Stage(batch.slots, staging_);
+  auto padded = [padding](auto values, auto pad) {
+    values.insert(values.end(), padding, pad);
+    return values;
+  };
+  const size_t token_ids = Stage(padded(batch.token_ids, int32_t{0}), staging_);
+  const size_t positions = Stage(padded(batch.positions, int32_t{0}), staging_);
+  const size_t sample_positions = Stage(padded(batch.sample_positions, int64_t{0}), staging_);
+  const size_t slots = Stage(padded(batch.slots, int64_t{-1}), staging_);
   const size_t row_offsets = Stage(batch.row_offsets, staging_);
   const size_t committed = Stage(batch.committed_lengths, staging_);
   const size_t mask = Stage(batch.ancestor_mask, staging_);
+  const size_t routed_rows = Stage(std::vector<int32_t>{static_cast<int32_t>(rows)}, staging_);
   // Each sequence's pages, then page 0 up to the layout's padded width.
   padded_pages_.assign(int64_t{layout.sequences} * layout.max_pages, 0);
   for (int32_t s = 0; s < layout.sequences; ++s) {
@@ -266,7 +281,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   }
   const size_t page_table = Stage(padded_pages_, staging_);
   if (inputs_.buffer.size() < static_cast<int64_t>(staging_.size())) {
-    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Synchronize());
     TV_RETURN_IF_ERROR(Grow(inputs_.buffer, static_cast<int64_t>(staging_.size()) * 2));
     ++buffers_epoch_;  // graphs hold the old pointers
   }
@@ -281,6 +296,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   inputs_.row_offsets = reinterpret_cast<const int32_t*>(base + row_offsets);
   inputs_.committed_lengths = reinterpret_cast<const int32_t*>(base + committed);
   inputs_.ancestor_mask = reinterpret_cast<const uint64_t*>(base + mask);
+  inputs_.routed_rows = reinterpret_cast<const int32_t*>(base + routed_rows);
   inputs_.page_table = reinterpret_cast<const int32_t*>(base + page_table);
   return absl::OkStatus();
 }
@@ -289,12 +305,21 @@ absl::Status CudaForward::CopyToHost(const float* data, int64_t count, std::vect
   host.resize(count);
   TV_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(host.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return Synchronize();
+}
+
+// Collectives in flight make a plain stream synchronization a possible hang: the group's wait
+// is bounded by its timeout instead.
+absl::Status CudaForward::Synchronize() {
+  if (collectives_ != nullptr) return collectives_->WaitForStream(stream_);
   return cuda::CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
 }
 
-// Until the NCCL communicator lands, ranks meet through the host communicator.
+// On the device through NCCL; otherwise (a host communicator: Gloo, in-process) through the
+// host, one copy each way.
 absl::Status CudaForward::AllReduce(float* data, int64_t count) {
   if (communicator_->world_size() == 1) return absl::OkStatus();
+  if (collectives_ != nullptr) return collectives_->EnqueueAllReduceSum(data, count, stream_);
   std::vector<float> host;
   TV_RETURN_IF_ERROR(CopyToHost(data, count, host));
   TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(host)));
@@ -313,7 +338,7 @@ absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
   }
   const cuda::MlaVerifyPlan& plan = found->second;
   if (plan.workspace_bytes > mla_workspace_.size()) {
-    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Synchronize());
     TV_RETURN_IF_ERROR(Grow(mla_workspace_, plan.workspace_bytes));
     ++buffers_epoch_;  // graphs hold the old pointers
     TV_RETURN_IF_ERROR(
@@ -322,12 +347,25 @@ absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
   return &plan;
 }
 
-CudaForward::StepLayout CudaForward::LayoutOf(const BatchInputs& batch) {
-  StepLayout layout{.rows = batch.rows(), .sequences = batch.sequences()};
-  for (int32_t s = 0; s < batch.sequences(); ++s) {
-    layout.max_rows_per_seq =
-        std::max(layout.max_rows_per_seq, batch.row_offsets[s + 1] - batch.row_offsets[s]);
+int64_t CudaForward::RowBucket(int64_t rows) {
+  if (rows <= 8) return 8;
+  if (rows > 512) return (rows + 255) / 256 * 256;
+  int64_t bucket = 8;
+  while (true) {
+    if (rows <= bucket) return bucket;
+    if (rows <= bucket * 3 / 2) return bucket * 3 / 2;
+    bucket *= 2;
   }
+}
+
+CudaForward::StepLayout CudaForward::LayoutOf(const BatchInputs& batch) {
+  StepLayout layout{.rows = RowBucket(batch.rows()), .sequences = batch.sequences()};
+  int32_t longest = 0;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    longest = std::max(longest, batch.row_offsets[s + 1] - batch.row_offsets[s]);
+  }
+  layout.max_rows_per_seq = 1;
+  while (layout.max_rows_per_seq < longest) layout.max_rows_per_seq *= 2;
   // Page tables are padded to a power of two of pages, so that a growing context keeps the
   // shape (and the CUDA graph) for as long as its pages fit: the kernels read only the pages
   // their lengths reach.
@@ -337,6 +375,32 @@ CudaForward::StepLayout CudaForward::LayoutOf(const BatchInputs& batch) {
 }
 
 absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) {
+  if (!group_failure_.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "an earlier step failed on this rank, so the tensor-parallel group is out of step and "
+        "must re-form: ",
+        group_failure_.message()));
+  }
+  const absl::Status status = Step(batch, outputs);
+  if (!status.ok() && collectives_ != nullptr) {
+    // The ranks no longer run the same collectives: the group is done. The bounded wait ends
+    // (by aborting the communicator, if need be) the kernels still waiting for peers, and the
+    // graphs that captured the communicator go with it.
+    collectives_->WaitForStream(stream_).IgnoreError();
+    DropGraphs();
+    group_failure_ = status;
+  }
+  return status;
+}
+
+void CudaForward::DropGraphs() {
+  for (auto& [layout, graph] : graphs_) {
+    if (graph.exec != nullptr) cudaGraphExecDestroy(graph.exec);
+  }
+  graphs_.clear();
+}
+
+absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs) {
   const ModelConfig& c = weights_.config;
   outputs = ForwardOutputs();
   outputs.layer_hidden.resize(c.num_hidden_layers + 1);
@@ -344,14 +408,16 @@ absl::Status CudaForward::Run(const BatchInputs& batch, ForwardOutputs& outputs)
   if (rows == 0) return absl::OkStatus();
   TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
   const StepLayout layout = LayoutOf(batch);
-  TV_RETURN_IF_ERROR(Reserve(rows));
+  step_rows_ = rows;
+  TV_RETURN_IF_ERROR(Reserve(layout.rows));
   TV_RETURN_IF_ERROR(StartAccount());
   TV_RETURN_IF_ERROR(Upload(batch, layout));
+  last_launch_ = StepLaunch::kEager;  // unless RunGraph captures or replays
   const bool captures = std::find(batch.capture_layer.begin(), batch.capture_layer.end(), true) !=
                         batch.capture_layer.end();
   // A graph replays device work only: hidden states copied out mid-step and all-reduces through
-  // the host (W > 1 until NCCL) run eagerly.
-  if (use_graphs_ && !captures && communicator_->world_size() == 1) {
+  // a host communicator run eagerly.
+  if (use_graphs_ && !captures && (communicator_->world_size() == 1 || collectives_ != nullptr)) {
     TV_RETURN_IF_ERROR(RunGraph(layout));
   } else {
     TV_RETURN_IF_ERROR(Layers(layout, &batch.capture_layer, outputs.layer_hidden));
@@ -374,7 +440,7 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
         int64_t{batch.row_offsets[s + 1] - batch.row_offsets[s]} * batch.sampling[s].candidates;
   }
   if (summaries_.size() < rows || candidates_.size() < candidate_slots) {
-    TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TV_RETURN_IF_ERROR(Synchronize());
     TV_RETURN_IF_ERROR(Grow(summaries_, activations_.capacity));
     TV_RETURN_IF_ERROR(Grow(candidates_, std::max<int64_t>(candidate_slots, 1)));
   }
@@ -414,7 +480,7 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
                                             outputs.logits.size() * sizeof(float),
                                             cudaMemcpyDeviceToHost, stream_));
   }
-  TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  TV_RETURN_IF_ERROR(Synchronize());
   outputs.candidates.resize(batch.sequences());
   candidate_offset = 0;
   for (int32_t s = 0; s < batch.sequences(); ++s) {
@@ -440,17 +506,22 @@ absl::Status CudaForward::RunGraph(const StepLayout& layout) {
   graph.last_used = ++graph_clock_;
   if (graph.exec != nullptr && graph.epoch == buffers_epoch_) {
     marks_ = graph.marks;
+    last_launch_ = StepLaunch::kReplay;
     return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
   }
   if (graph.exec != nullptr) cudaGraphExecDestroy(std::exchange(graph.exec, nullptr));
   if (!graph.seen || graph.epoch != buffers_epoch_) {
     // First sight of the shape: eagerly, which also plans the GEMMs and the MLA op and sizes
     // every buffer, so that the capture next time needs no allocation and no synchronization.
+    // The epoch is the one after the run: buffers it grew (the MLA workspace of a new plan) are
+    // the ones the capture will use.
     graph.seen = true;
-    graph.epoch = buffers_epoch_;
     std::vector<std::vector<float>> unused;
-    return Layers(layout, nullptr, unused);
+    const absl::Status ran = Layers(layout, nullptr, unused);
+    graph.epoch = buffers_epoch_;
+    return ran;
   }
+  last_launch_ = StepLaunch::kCapture;
   TV_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   capturing_ = true;
   std::vector<std::vector<float>> unused;
@@ -488,7 +559,7 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
   TV_RETURN_IF_ERROR(AllReduce(a.residual.get(), rows * hidden));
   TV_RETURN_IF_ERROR(Mark(StepPhase::kAllReduce));
   if (capture != nullptr && (*capture)[0]) {
-    TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, hidden_states[0]));
+    TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), step_rows_ * hidden, hidden_states[0]));
   }
   // The residual add of each branch is fused into the next norm: residual += branch, then
   // normed = norm(residual). The first layer's input norm has nothing to add.
@@ -507,7 +578,7 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
     const DeviceLayerWeights& layer = weights_.layers[l];
     TV_RETURN_IF_ERROR(norm(layer.input_norm.get(), /*add_branch=*/l > 0));
     if (l > 0 && capture != nullptr && (*capture)[l]) {
-      TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), rows * hidden, hidden_states[l]));
+      TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), step_rows_ * hidden, hidden_states[l]));
     }
     TV_RETURN_IF_ERROR(Attention(l, layout));
     TV_RETURN_IF_ERROR(Mark(StepPhase::kAttention));
@@ -522,7 +593,7 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
   TV_RETURN_IF_ERROR(norm(weights_.final_norm.get(), /*add_branch=*/c.num_hidden_layers > 0));
   if (capture != nullptr && (*capture)[c.num_hidden_layers]) {
     TV_RETURN_IF_ERROR(
-        CopyToHost(a.residual.get(), rows * hidden, hidden_states[c.num_hidden_layers]));
+        CopyToHost(a.residual.get(), step_rows_ * hidden, hidden_states[c.num_hidden_layers]));
   }
 
   const int64_t vocab_shard = weights_.plan.vocab.size();
@@ -762,7 +833,8 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
        .scoring = c.scoring_func,
        .method = c.topk_method,
        .normalize = c.norm_topk_prob,
-       .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor)},
+       .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor),
+       .routed_tokens = inputs_.routed_rows},
       stream_));
   const bool shared = moe.shared.intermediate > 0;
   if (shared) TV_RETURN_IF_ERROR(GatedMlp(moe.shared, rows, a.shared_out.get()));

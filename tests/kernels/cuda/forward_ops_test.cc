@@ -466,6 +466,23 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
     ASSERT_TRUE(MoeRouting(params, nullptr).ok());
     EXPECT_EQ(d_ids.ToHost(), ids);
     ExpectClose(d_weights.ToHost(), weights, 1e-6f, 0.0f, "routing weights");
+
+    // Rows past the routed count (a graph's padding) get no expert.
+    const int32_t routed = 11;
+    DeviceBuffer<int32_t> d_routed(1);
+    d_routed.CopyFrom({routed});
+    params.routed_tokens = d_routed.get();
+    ASSERT_TRUE(MoeRouting(params, nullptr).ok());
+    const std::vector<int32_t> padded_ids = d_ids.ToHost();
+    const std::vector<float> padded_weights = d_weights.ToHost();
+    for (int64_t i = 0; i < tokens * c.top_k; ++i) {
+      if (i < routed * c.top_k) {
+        EXPECT_EQ(padded_ids[i], ids[i]);
+      } else {
+        EXPECT_EQ(padded_ids[i], -1);
+        EXPECT_EQ(padded_weights[i], 0.0f);
+      }
+    }
   }
 }
 

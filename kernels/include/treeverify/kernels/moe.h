@@ -38,6 +38,10 @@ struct MoeRoutingParams {
   MoeTopkMethod method = MoeTopkMethod::kNoauxTc;
   bool normalize = true;  // norm_topk_prob
   float routed_scaling_factor = 1.0f;
+  // Tokens from *routed_tokens on get no expert (ids -1, weights 0): rows that only pad a batch
+  // up to a CUDA graph's shape. Read when the op runs (device memory for the GPU op, so a graph
+  // reads each step's count; host memory for the CPU op); nullptr routes every token.
+  const int32_t* routed_tokens = nullptr;
 };
 
 // The experts one rank holds, in the nn.Linear layout. With experts split inside (tensor

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,10 @@ struct LocalModelOptions {
   int64_t kv_pages = 1024;
   int32_t prefill_chunk = 256;             // rows per prefill forward (at most kMaxSegmentRows)
   worker::ForwardFactory forward_factory;  // every rank's backend; empty: the CPU's
+  // Every rank's communicator, made in that rank's thread (all ranks at once, as NCCL needs);
+  // empty: an in-process group. The model owns what it returns.
+  std::function<absl::StatusOr<std::unique_ptr<worker::Communicator>>(int rank, int world_size)>
+      communicator_factory;
 };
 
 // The reduced result of one segment: per node, the full-vocabulary summary, and the full logits
@@ -78,10 +83,13 @@ class LocalModel {
 
  private:
   LocalModel(LocalModelOptions options, std::unique_ptr<worker::InProcessGroup> group,
+             std::vector<std::unique_ptr<worker::Communicator>> communicators,
              std::vector<std::unique_ptr<worker::ModelRunner>> runners);
 
   LocalModelOptions options_;
+  // The ranks' communicators (one or the other), declared before the runners that use them.
   std::unique_ptr<worker::InProcessGroup> group_;
+  std::vector<std::unique_ptr<worker::Communicator>> communicators_;
   std::vector<std::unique_ptr<worker::ModelRunner>> runners_;
 };
 

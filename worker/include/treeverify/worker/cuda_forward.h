@@ -8,8 +8,12 @@
 //     return MakeCudaForward(w, c, k, {.device_ordinal = 0});
 //   };
 //
-// Still to come (issue 5): NCCL (with W > 1 the all-reduces go through the host communicator,
-// and steps run eagerly), prefill in the MHA form.
+// With W > 1 the all-reduces run on the device when the communicator has DeviceCollectives
+// (NCCL: steps replay from CUDA graphs too) and through the host otherwise (Gloo, in-process:
+// eager steps). A failed step at W > 1 leaves the ranks out of step: every later Run is
+// UNAVAILABLE until the group re-forms (a new communicator, a new backend).
+//
+// Still to come (issue 5): prefill in the MHA form.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -91,14 +95,22 @@ class CudaForward final : public ForwardBackend {
     DeviceArray<float> shared_out;     // [rows, hidden] the shared experts' output
     DeviceArray<uint8_t> moe_workspace;
   };
-  // What fixes a step's launches: a CUDA graph serves every step of the same layout.
+  // What fixes a step's launches: a CUDA graph serves every step of the same layout. A batch's
+  // rows are padded up to a bucket (RowBucket) with rows that belong to no sequence (the
+  // attention skips them; they take no cache slot and no expert), so that trees of nearby sizes
+  // share a graph; the longest segment and the page tables' width are padded to powers of two.
+  // The number of sequences stays exact: the attention plans its key splits for that many
+  // sequences (docs/gpu-worker.md). Only the batch's own rows reach the outputs.
   struct StepLayout {
-    int64_t rows = 0;
-    int32_t sequences = 0;
-    int32_t max_rows_per_seq = 0;
-    int32_t max_pages = 0;  // the page tables' padded width
+    int64_t rows = 0;              // RowBucket(the batch's rows)
+    int32_t sequences = 0;         // the batch's
+    int32_t max_rows_per_seq = 0;  // a power of two
+    int32_t max_pages = 0;         // the page tables' padded width, a power of two
     auto operator<=>(const StepLayout&) const = default;
   };
+  // 8, 12, 16, 24, 32, ... 384, 512 (two buckets an octave), then multiples of 256: at most a
+  // third of the rows are padding (at most 255 past 512).
+  static int64_t RowBucket(int64_t rows);
   struct Graph {
     bool seen = false;  // run eagerly once (plans made, buffers sized)
     int64_t epoch = 0;  // buffers_epoch_ when seen or captured
@@ -106,8 +118,8 @@ class CudaForward final : public ForwardBackend {
     std::vector<StepPhase> marks;  // the phase events the graph records
     int64_t last_used = 0;         // graph_clock_ at its last step
   };
-  // Layouts are exact (not yet padded to buckets), so a long-running worker meets many: past
-  // this many, the least recently used graph is dropped.
+  // Batches of many sequences and contexts still make many layouts: past this many, the least
+  // recently used graph is dropped.
   static constexpr size_t kMaxGraphs = 64;
   // The step's inputs on the device, packed in one buffer and copied in one go.
   struct StepInputs {
@@ -120,6 +132,7 @@ class CudaForward final : public ForwardBackend {
     const int32_t* committed_lengths = nullptr;  // [sequences]
     const uint64_t* ancestor_mask = nullptr;     // [rows, kAncestorMaskWords]
     const int32_t* page_table = nullptr;         // [sequences, max_pages]
+    const int32_t* routed_rows = nullptr;        // [1] the batch's rows: the rest only pad
   };
 
   CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
@@ -130,6 +143,11 @@ class CudaForward final : public ForwardBackend {
   absl::Status StartAccount();
   absl::Status Mark(StepPhase phase);
   absl::Status Account(const BatchInputs& batch);
+  // Run's work; Run adds what a failure means for the group.
+  absl::Status Step(const BatchInputs& batch, ForwardOutputs& outputs);
+  void DropGraphs();
+  // Waits for the stream: bounded by the group's timeout where collectives may be in flight.
+  absl::Status Synchronize();
   absl::Status Reserve(int64_t rows);
   static StepLayout LayoutOf(const BatchInputs& batch);
   absl::Status Upload(const BatchInputs& batch, const StepLayout& layout);
@@ -154,11 +172,15 @@ class CudaForward final : public ForwardBackend {
   DeviceWeights weights_;
   CudaKvStorage& kv_rows_;
   Communicator* communicator_;
+  DeviceCollectives* collectives_;  // W > 1 on the device (NCCL), or nullptr
+  absl::Status group_failure_;      // a failed step at W > 1: the group must re-form
   kernels::cuda::DeviceInfo device_;
   cudaStream_t stream_;
   std::unique_ptr<kernels::cuda::GemmRunner> gemm_;
   Activations activations_;
   StepInputs inputs_;
+  StepLaunch last_launch_ = StepLaunch::kEager;
+  int64_t step_rows_ = 0;  // the batch's rows in the step running (the layout's are padded)
   std::vector<uint8_t> staging_;
   std::vector<int32_t> padded_pages_;
   DeviceArray<kernels::NodeSummary> summaries_;  // [capacity]

@@ -31,11 +31,17 @@ struct PhaseAccount {
   double modeled_bytes = 0.0;  // DRAM bytes the phase must move (0: not a DRAM-bound phase)
 };
 
+// How a step's device work ran: launched one by one (a layout's first step, or graphs off),
+// captured into a CUDA graph (its second) or replayed from one.
+enum class StepLaunch { kEager, kCapture, kReplay };
+
 struct StepAccount {
   std::array<PhaseAccount, kStepPhases> phases{};
-  double total_gpu_seconds = 0.0;       // the phases' sum
-  double copy_bytes_per_second = 0.0;   // the device's measured copy bandwidth
-  int64_t rows = 0;                     // tree nodes in the step
+  double total_gpu_seconds = 0.0;      // the phases' sum
+  double copy_bytes_per_second = 0.0;  // the device's measured copy bandwidth
+  int64_t rows = 0;                    // tree nodes in the step
+  int64_t padded_rows = 0;             // rows the device ran: up to the step layout's bucket
+  StepLaunch launch = StepLaunch::kEager;
   std::vector<int32_t> active_experts;  // per layer (0 for dense layers)
 
   const PhaseAccount& phase(StepPhase p) const { return phases[static_cast<int>(p)]; }
