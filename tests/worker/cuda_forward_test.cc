@@ -107,6 +107,18 @@ class CudaForwardTest : public testing::Test {
     }
   }
 
+  // One GPU rank that keeps a StepAccount of every step.
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> MakeAccountingRunner(const std::string& dir,
+                                                                           Communicator& solo) {
+    ModelRunnerOptions options;
+    options.kv_page_size = 16;
+    options.kv_pages = 64;
+    options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
+      return MakeCudaForward(w, c, k, {.account_steps = true});
+    };
+    return ModelRunner::Create(dir, options, &solo);
+  }
+
   // With `nccl`, rank r runs on GPU r and the ranks meet over NCCL (all-reduces on the device,
   // graphs at W > 1); otherwise every rank runs on GPU 0 and they meet through the host.
   static std::unique_ptr<tools::LocalModel> MakeModel(const std::string& dir, bool gpu,
@@ -395,13 +407,7 @@ TEST_F(CudaForwardTest, TreesOfNearbySizesShareABucketsGraph) {
   const Model model = Models()[2];  // tiny-kimi: 3 of 12 experts per token
   const std::string dir = WriteModel(model);
   SoloCommunicator solo;
-  ModelRunnerOptions options;
-  options.kv_page_size = 16;
-  options.kv_pages = 64;
-  options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
-    return MakeCudaForward(w, c, k, {.account_steps = true});
-  };
-  auto gpu = ModelRunner::Create(dir, options, &solo);
+  auto gpu = MakeAccountingRunner(dir, solo);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   auto cpu = MakeModel(dir, /*gpu=*/false);
   ASSERT_NE(cpu, nullptr);
@@ -458,13 +464,7 @@ TEST_F(CudaForwardTest, StepAccountCoversThePhases) {
   const Model model = Models()[2];  // tiny-kimi
   const std::string dir = WriteModel(model);
   SoloCommunicator solo;
-  ModelRunnerOptions options;
-  options.kv_page_size = 16;
-  options.kv_pages = 64;
-  options.forward_factory = [](const ModelWeights& w, const KvCacheOptions& c, Communicator* k) {
-    return MakeCudaForward(w, c, k, {.account_steps = true});
-  };
-  auto runner = ModelRunner::Create(dir, options, &solo);
+  auto runner = MakeAccountingRunner(dir, solo);
   ASSERT_TRUE(runner.ok()) << runner.status();
   EXPECT_FALSE((*runner)->last_step_account().has_value());
   ForwardRequest request;

@@ -27,7 +27,7 @@ namespace {
 // the same rule in cuda_forward_test.cc.
 constexpr int kNearTieRowsPercent = 25;
 
-class CudaGoldenTest : public testing::TestWithParam<std::tuple<std::string, int>> {
+class CudaGoldenTest : public testing::TestWithParam<GoldenParam> {
  protected:
   void SetUp() override {
     absl::StatusOr<kernels::cuda::DeviceInfo> device = kernels::cuda::QueryDevice(0);
@@ -120,14 +120,7 @@ TEST_P(CudaGoldenTest, GreedyDecodingFollowsTheContinuationWhereTheMarginAllows)
   std::cout << followed << " tokens followed the reference\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldenTest,
-                         testing::Combine(testing::Values("deepseek_v3_tiny", "kimi_k2_tiny",
-                                                          "deepseek_v2_lite_tiny"),
-                                          testing::Values(1, 2)),
-                         [](const testing::TestParamInfo<CudaGoldenTest::ParamType>& info) {
-                           return std::get<0>(info.param) + "_tp" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaGoldenTest, EveryGoldenFixtureAtTp1And2(), GoldenParamName);
 
 }  // namespace
 }  // namespace treeverify::worker

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -55,6 +56,17 @@ inline std::vector<GoldenPrompt> LoadGolden(const std::string& dir, int64_t voca
     prompts.push_back(std::move(prompt));
   }
   return prompts;
+}
+
+// The parameters of a test over every fixture at TP 1 and 2, and their names ("kimi_k2_tiny_tp2").
+using GoldenParam = std::tuple<std::string, int>;
+inline auto EveryGoldenFixtureAtTp1And2() {
+  return testing::Combine(
+      testing::Values("deepseek_v3_tiny", "kimi_k2_tiny", "deepseek_v2_lite_tiny"),
+      testing::Values(1, 2));
+}
+inline std::string GoldenParamName(const testing::TestParamInfo<GoldenParam>& info) {
+  return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
 }
 
 }  // namespace treeverify::worker

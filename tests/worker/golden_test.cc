@@ -19,7 +19,7 @@ namespace {
 
 constexpr double kTolerance = 2e-3;
 
-class GoldenTest : public testing::TestWithParam<std::tuple<std::string, int>> {};
+class GoldenTest : public testing::TestWithParam<GoldenParam> {};
 
 TEST_P(GoldenTest, MatchesTransformersByTeacherForcing) {
   const auto [model_name, world_size] = GetParam();
@@ -107,14 +107,7 @@ TEST_P(GoldenTest, GreedyDecodingReproducesTheContinuation) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest,
-                         testing::Combine(testing::Values("deepseek_v3_tiny", "kimi_k2_tiny",
-                                                          "deepseek_v2_lite_tiny"),
-                                          testing::Values(1, 2)),
-                         [](const testing::TestParamInfo<GoldenTest::ParamType>& info) {
-                           return std::get<0>(info.param) + "_tp" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest, EveryGoldenFixtureAtTp1And2(), GoldenParamName);
 
 }  // namespace
 }  // namespace treeverify::worker

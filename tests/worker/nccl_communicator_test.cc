@@ -64,6 +64,23 @@ class DeviceFloats {
   size_t count_ = 0;
 };
 
+// Captures one all-reduce of data[count] into a graph, launches it `launches` times and waits.
+void ReplayAllReduceFromAGraph(NcclCommunicator& nccl, float* data, int64_t count,
+                               cudaStream_t stream, int launches) {
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const absl::Status enqueued = nccl.EnqueueAllReduceSum(data, count, stream);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(enqueued.ok()) << enqueued;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < launches; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  const absl::Status waited = nccl.WaitForStream(stream);
+  EXPECT_TRUE(waited.ok()) << waited;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // Runs fn(rank) in a thread per rank, each on its own GPU.
 template <typename Fn>
 void ForEachRank(int world_size, Fn fn) {
@@ -117,18 +134,8 @@ TEST_F(NcclCommunicatorTest, OneRankIsTheIdentityOnTheDeviceThroughTheHostAndInA
   EXPECT_EQ(data.ToHost(), values);
 
   // Captured into a graph and replayed twice.
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const absl::Status enqueued = nccl.EnqueueAllReduceSum(data.get(), 4, stream);
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(enqueued.ok()) << enqueued;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int i = 0; i < 2; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_TRUE(nccl.WaitForStream(stream).ok());
+  ReplayAllReduceFromAGraph(nccl, data.get(), 4, stream, /*launches=*/2);
   EXPECT_EQ(data.ToHost(), values);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   EXPECT_TRUE(nccl.health().ok());
 }
@@ -168,20 +175,10 @@ TEST_F(NcclCommunicatorTest, SumsOnTheDeviceAndThroughTheHostOnTwoGpus) {
     DeviceFloats data(values);
     cudaStream_t stream = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    const absl::Status enqueued = nccl.EnqueueAllReduceSum(data.get(), 1000, stream);
-    cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    ASSERT_TRUE(enqueued.ok()) << enqueued;
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_TRUE(nccl.WaitForStream(stream).ok());
+    ReplayAllReduceFromAGraph(nccl, data.get(), 1000, stream, /*launches=*/1);
     device_results[rank] = data.ToHost();
     host_results[rank] = values;
     ASSERT_TRUE(nccl.AllReduceSum(absl::MakeSpan(host_results[rank])).ok());
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   });
   for (int rank = 0; rank < 2; ++rank) {
