@@ -220,8 +220,9 @@ absl::Status NcclCommunicator::WaitForStream(CUstream_st* stream) {
     if (queried == cudaSuccess) return absl::OkStatus();
     if (queried != cudaErrorNotReady) return Fail(cuda::CudaStatus(queried, "cudaEventQuery"));
     ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
-        (state != ncclSuccess && state != ncclInProgress)) {
+    const ncclResult_t polled = ncclCommGetAsyncError(comm_, &state);
+    if (polled != ncclSuccess) return Fail(NcclStatus(polled, "ncclCommGetAsyncError", comm_));
+    if (state != ncclSuccess && state != ncclInProgress) {
       return Fail(NcclStatus(state, "a collective on the stream", comm_));
     }
     if (absl::Now() > deadline) {
