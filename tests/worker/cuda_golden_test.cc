@@ -13,7 +13,6 @@
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/tools/local_model.h"
 #include "treeverify/worker/cuda_forward.h"
-#include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::worker {
 namespace {
@@ -57,13 +56,7 @@ TEST_P(CudaGoldenTest, MatchesTransformersByTeacherForcing) {
   Agreement agreement;
   for (size_t p = 0; p < prompts.size(); ++p) {
     const GoldenPrompt& golden = prompts[p];
-    const int32_t length = static_cast<int32_t>(golden.tokens.size());
-    ForwardRequest request;
-    request.return_logits = true;
-    request.segments.push_back({.sequence_id = 100 + p,
-                                .token_ids = golden.tokens,
-                                .parents = SegmentTree::ChainParents(length)});
-    auto results = model->Forward(request);
+    auto results = model->Forward(TeacherForcedRequest(golden, 100 + p));
     ASSERT_TRUE(results.ok()) << results.status();
     const tools::LocalSegmentResult& result = (*results)[0];
     ASSERT_TRUE(result.status.ok()) << result.status;

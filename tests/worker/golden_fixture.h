@@ -13,7 +13,9 @@
 
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "treeverify/worker/model_runner.h"
 #include "treeverify/worker/safetensors.h"
+#include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::worker {
 
@@ -56,6 +58,18 @@ inline std::vector<GoldenPrompt> LoadGolden(const std::string& dir, int64_t voca
     prompts.push_back(std::move(prompt));
   }
   return prompts;
+}
+
+// The whole prompt and its continuation as one chain with logits returned: the request that
+// teacher-forces the reference's tokens.
+inline ForwardRequest TeacherForcedRequest(const GoldenPrompt& golden, uint64_t sequence_id) {
+  ForwardRequest request;
+  request.return_logits = true;
+  request.segments.push_back(
+      {.sequence_id = sequence_id,
+       .token_ids = golden.tokens,
+       .parents = SegmentTree::ChainParents(static_cast<int32_t>(golden.tokens.size()))});
+  return request;
 }
 
 // The parameters of a test over every fixture at TP 1 and 2, and their names ("kimi_k2_tiny_tp2").

@@ -56,13 +56,18 @@ absl::Status Grow(DeviceArray<T>& array, int64_t count) {
   return absl::OkStatus();
 }
 
-// Appends `values` to `staging` at a 256-byte aligned offset and returns that offset.
+// Appends `values`, then `padding` copies of `pad`, to `staging` at a 256-byte aligned offset
+// and returns that offset.
 template <typename T>
-size_t Stage(const std::vector<T>& values, std::vector<uint8_t>& staging) {
+size_t Stage(const std::vector<T>& values, std::vector<uint8_t>& staging, int64_t padding = 0,
+             T pad = T{}) {
   const size_t offset = (staging.size() + 255) / 256 * 256;
-  staging.resize(offset + values.size() * sizeof(T));
-  if (!values.empty())
-    std::memcpy(staging.data() + offset, values.data(), values.size() * sizeof(T));
+  const size_t bytes = values.size() * sizeof(T);
+  staging.resize(offset + bytes + padding * sizeof(T));
+  if (!values.empty()) std::memcpy(staging.data() + offset, values.data(), bytes);
+  for (int64_t i = 0; i < padding; ++i) {
+    std::memcpy(staging.data() + offset + bytes + i * sizeof(T), &pad, sizeof(T));
+  }
   return offset;
 }
 
@@ -166,12 +171,12 @@ absl::Status CudaForward::Mark(StepPhase phase) {
       "cudaEventRecord");
 }
 
-absl::Status CudaForward::Account(const BatchInputs& batch) {
+absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& layout) {
   if (!account_steps_) return absl::OkStatus();
   StepAccount account;
   account.copy_bytes_per_second = copy_bytes_per_second_;
   account.rows = batch.rows();
-  account.padded_rows = LayoutOf(batch).rows;
+  account.padded_rows = layout.rows;
   account.launch = last_launch_;
   TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size()]));
   for (size_t i = 0; i < marks_.size(); ++i) {
@@ -261,14 +266,10 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   const int64_t rows = batch.rows();
   const int64_t padding = layout.rows - rows;
   staging_.clear();
-  auto padded = [padding](auto values, auto pad) {
-    values.insert(values.end(), padding, pad);
-    return values;
-  };
-  const size_t token_ids = Stage(padded(batch.token_ids, int32_t{0}), staging_);
-  const size_t positions = Stage(padded(batch.positions, int32_t{0}), staging_);
-  const size_t sample_positions = Stage(padded(batch.sample_positions, int64_t{0}), staging_);
-  const size_t slots = Stage(padded(batch.slots, int64_t{-1}), staging_);
+  const size_t token_ids = Stage(batch.token_ids, staging_, padding);
+  const size_t positions = Stage(batch.positions, staging_, padding);
+  const size_t sample_positions = Stage(batch.sample_positions, staging_, padding);
+  const size_t slots = Stage(batch.slots, staging_, padding, int64_t{-1});
   const size_t row_offsets = Stage(batch.row_offsets, staging_);
   const size_t committed = Stage(batch.committed_lengths, staging_);
   const size_t mask = Stage(batch.ancestor_mask, staging_);
@@ -424,7 +425,7 @@ absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs
   }
 
   TV_RETURN_IF_ERROR(Summarize(batch, outputs));
-  return Account(batch);
+  return Account(batch, layout);
 }
 
 // Each sequence's rows with its own sampling parameters (one launch per sequence, after the

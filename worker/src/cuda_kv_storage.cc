@@ -25,20 +25,9 @@ CudaKvStorage::CudaKvStorage(const KvCacheOptions& options, cudaStream_t stream,
 
 absl::Status CudaKvStorage::MoveRows(absl::Span<const int64_t> src_slots,
                                      absl::Span<const int64_t> dst_slots) {
-  if (src_slots.size() != dst_slots.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("MoveRows: ", src_slots.size(),
-                                                   " source slots but ", dst_slots.size(),
-                                                   " destination slots"));
-  }
+  // Checked here: the device copy cannot report a slot out of range.
+  TV_RETURN_IF_ERROR(CheckRowMoves(src_slots, dst_slots, options_.num_slots()));
   const int64_t count = static_cast<int64_t>(src_slots.size());
-  for (int64_t i = 0; i < count; ++i) {
-    if (src_slots[i] < 0 || src_slots[i] >= options_.num_slots() || dst_slots[i] < 0 ||
-        dst_slots[i] >= options_.num_slots()) {
-      return absl::InvalidArgumentError(absl::StrCat("MoveRows: move ", i, " (", src_slots[i],
-                                                     " -> ", dst_slots[i], ") leaves [0, ",
-                                                     options_.num_slots(), ")"));
-    }
-  }
   if (count == 0) return absl::OkStatus();
   if (first_move_ != nullptr && moves_ == 0) {
     TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(first_move_, stream_));

@@ -64,13 +64,27 @@ CpuKvStorage::CpuKvStorage(const KvCacheOptions& options)
       layer_elements_(options.num_slots() * options.row_dim),
       rows_(static_cast<size_t>(options.num_layers * layer_elements_), 0.0f) {}
 
-absl::Status CpuKvStorage::MoveRows(absl::Span<const int64_t> src_slots,
-                                    absl::Span<const int64_t> dst_slots) {
+absl::Status CheckRowMoves(absl::Span<const int64_t> src_slots, absl::Span<const int64_t> dst_slots,
+                           int64_t num_slots) {
   if (src_slots.size() != dst_slots.size()) {
     return absl::InvalidArgumentError(absl::StrCat("MoveRows: ", src_slots.size(),
                                                    " source slots but ", dst_slots.size(),
                                                    " destination slots"));
   }
+  for (size_t i = 0; i < src_slots.size(); ++i) {
+    if (src_slots[i] < 0 || src_slots[i] >= num_slots || dst_slots[i] < 0 ||
+        dst_slots[i] >= num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("MoveRows: move ", i, " (", src_slots[i],
+                                                     " -> ", dst_slots[i], ") leaves [0, ",
+                                                     num_slots, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuKvStorage::MoveRows(absl::Span<const int64_t> src_slots,
+                                    absl::Span<const int64_t> dst_slots) {
+  TV_RETURN_IF_ERROR(CheckRowMoves(src_slots, dst_slots, options_.num_slots()));
   for (int64_t layer = 0; !src_slots.empty() && layer < options_.num_layers; ++layer) {
     TV_RETURN_IF_ERROR(kernels::cpu::KvCopy({.src_slots = src_slots.data(),
                                              .dst_slots = dst_slots.data(),

@@ -167,6 +167,12 @@ NcclCommunicator::~NcclCommunicator() {
   if (host_stream_ != nullptr) cudaStreamDestroy(host_stream_);
 }
 
+absl::Status NcclCommunicator::CheckUsable() const {
+  if (failure_.ok()) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("the NCCL group failed earlier: ", failure_.message()));
+}
+
 absl::Status NcclCommunicator::Fail(absl::Status status) {
   if (comm_ != nullptr) ncclCommAbort(std::exchange(comm_, nullptr));
   if (failure_.ok()) failure_ = status;
@@ -193,10 +199,7 @@ absl::Status NcclCommunicator::AwaitCommunicator(absl::string_view what, absl::T
 
 absl::Status NcclCommunicator::EnqueueAllReduceSum(float* data, int64_t count,
                                                    CUstream_st* stream) {
-  if (!failure_.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("the NCCL group failed earlier: ", failure_.message()));
-  }
+  TV_RETURN_IF_ERROR(CheckUsable());
   if (count == 0) return absl::OkStatus();
   const ncclResult_t result =
       ncclAllReduce(data, data, static_cast<size_t>(count), ncclFloat32, ncclSum, comm_, stream);
@@ -208,10 +211,7 @@ absl::Status NcclCommunicator::EnqueueAllReduceSum(float* data, int64_t count,
 }
 
 absl::Status NcclCommunicator::WaitForStream(CUstream_st* stream) {
-  if (!failure_.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("the NCCL group failed earlier: ", failure_.message()));
-  }
+  TV_RETURN_IF_ERROR(CheckUsable());
   TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream));
   const absl::Time deadline = absl::Now() + options_.timeout;
   Poller poller;
@@ -238,10 +238,7 @@ absl::Status NcclCommunicator::WaitForStream(CUstream_st* stream) {
 
 absl::Status NcclCommunicator::AllReduceSum(absl::Span<float> data) {
   if (options_.world_size == 1) return absl::OkStatus();
-  if (!failure_.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("the NCCL group failed earlier: ", failure_.message()));
-  }
+  TV_RETURN_IF_ERROR(CheckUsable());
   const int64_t count = static_cast<int64_t>(data.size());
   if (count == 0) return absl::OkStatus();
   const int64_t world = options_.world_size;

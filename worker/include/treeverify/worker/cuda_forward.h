@@ -142,7 +142,7 @@ class CudaForward final : public ForwardBackend {
   // counts to `phase`; Account turns the step's intervals into last_account_.
   absl::Status StartAccount();
   absl::Status Mark(StepPhase phase);
-  absl::Status Account(const BatchInputs& batch);
+  absl::Status Account(const BatchInputs& batch, const StepLayout& layout);
   // Run's work; Run adds what a failure means for the group.
   absl::Status Step(const BatchInputs& batch, ForwardOutputs& outputs);
   void DropGraphs();

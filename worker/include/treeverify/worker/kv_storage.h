@@ -40,6 +40,11 @@ class KvStorage {
                                 absl::Span<const int64_t> dst_slots) = 0;
 };
 
+// MoveRows' argument check, for every implementation: as many sources as destinations, every
+// slot in [0, num_slots). INVALID_ARGUMENT naming the first bad move.
+absl::Status CheckRowMoves(absl::Span<const int64_t> src_slots, absl::Span<const int64_t> dst_slots,
+                           int64_t num_slots);
+
 // Rows in host memory, fp32, all layers in one block: [num_layers, num_slots, row_dim].
 class CpuKvStorage final : public KvStorage {
  public:

@@ -89,6 +89,8 @@ class NcclCommunicator final : public Communicator, public DeviceCollectives {
   // Any failure aborts the communicator and is kept in failure_.
   absl::Status AwaitCommunicator(absl::string_view what, absl::Time deadline);
   absl::Status Fail(absl::Status status);
+  // UNAVAILABLE, naming the first failure, once the group has failed.
+  absl::Status CheckUsable() const;
 
   const NcclOptions options_;
   ncclComm* comm_ = nullptr;            // nullptr once aborted
