@@ -10,16 +10,25 @@
 // committed context and a tree (binary, node i under (i - 1) / 2) of new nodes. The all-reduces
 // are not run (one GPU): their phase is empty here, and the figures are the rank's own work.
 //
+// With --prefill, time to first token instead: each prompt length in chunks of --prefill-chunk
+// rows (the prefill path, the MHA form), the sum of the chunks' steps against the FLOPs they
+// must do at the tensor-core rate measured here (a large cuBLASLt GEMM): prefill is compute
+// bound, so its floor is FLOPs, not bytes.
+//
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
+//                   [--prefill 4096,46080 [--prefill-chunk 8192]]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -29,6 +38,7 @@
 #include "nlohmann/json.hpp"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/kernels/cuda/device_fill.h"
+#include "treeverify/kernels/cuda/gemm.h"
 #include "treeverify/kernels/status.h"
 #include "treeverify/worker/cuda_forward.h"
 #include "treeverify/worker/cuda_kv_storage.h"
@@ -47,6 +57,8 @@ struct Args {
                                            ExpertSharding::kWholeExperts};
   int iters = 20;
   std::string json;
+  std::vector<int64_t> prefill;  // prompt lengths; empty: verify steps
+  int64_t prefill_chunk = kMaxChainRows;
 };
 
 ModelConfig KimiK2(int layers) {
@@ -102,7 +114,8 @@ int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_k
 }
 
 // One sequence: `context` committed keys and a binary tree of `nodes` new ones.
-BatchInputs MakeBatch(int64_t context, int64_t nodes, int32_t vocab) {
+BatchInputs MakeBatch(int64_t context, int64_t nodes, const ModelConfig& config) {
+  const int32_t vocab = static_cast<int32_t>(config.vocab_size);
   BatchInputs b;
   std::vector<int32_t> parents(nodes);
   for (int64_t i = 0; i < nodes; ++i) parents[i] = i == 0 ? -1 : static_cast<int32_t>((i - 1) / 2);
@@ -119,8 +132,173 @@ BatchInputs MakeBatch(int64_t context, int64_t nodes, int32_t vocab) {
   b.max_pages = static_cast<int32_t>((context + nodes + kPageSize - 1) / kPageSize);
   for (int32_t p = 0; p < b.max_pages; ++p) b.page_table.push_back(p);
   b.sampling = {SegmentSampling{}};
-  b.capture_layer.assign(1, false);
+  b.capture_layer.assign(config.num_hidden_layers + 1, false);
   return b;
+}
+
+// `rows` new rows of one chain after `committed` keys, as ModelRunner batches a prefill chunk:
+// pieces of at most kMaxSegmentRows rows (forward_backend.h).
+BatchInputs MakeChainBatch(int64_t committed, int64_t rows, const ModelConfig& config) {
+  const int32_t vocab = static_cast<int32_t>(config.vocab_size);
+  BatchInputs b;
+  for (int64_t i = 0; i < rows; ++i) {
+    b.token_ids.push_back(static_cast<int32_t>((i * 7919 + 13) % vocab));
+    b.positions.push_back(static_cast<int32_t>(committed + i));
+    b.sample_positions.push_back(committed + i + 1);
+    b.slots.push_back(committed + i);
+  }
+  for (int64_t first = 0; first < rows; first += kernels::kMaxSegmentRows) {
+    const int32_t n =
+        static_cast<int32_t>(std::min<int64_t>(kernels::kMaxSegmentRows, rows - first));
+    const SegmentTree piece = *SegmentTree::Build(SegmentTree::ChainParents(n));
+    b.ancestor_mask.insert(b.ancestor_mask.end(), piece.ancestor_mask.begin(),
+                           piece.ancestor_mask.end());
+    b.row_offsets.push_back(static_cast<int32_t>(first + n));
+    b.committed_lengths.push_back(static_cast<int32_t>(committed + first));
+    b.sampling.push_back(SegmentSampling{});
+    b.chain.push_back(true);
+    b.continues_chain.push_back(first > 0);
+  }
+  const int32_t pages = static_cast<int32_t>((committed + rows + kPageSize - 1) / kPageSize);
+  b.max_pages = pages;
+  for (int32_t s = 0; s < b.sequences(); ++s) {
+    for (int32_t p = 0; p < pages; ++p) b.page_table.push_back(p);
+  }
+  b.capture_layer.assign(config.num_hidden_layers + 1, false);
+  return b;
+}
+
+// FLOPs a prefill chunk must do, by phase (2 per multiply-add; the routed experts at their
+// expected share: top-k experts of this rank's columns, whichever the sharding).
+struct ChunkFlops {
+  double attention = 0, moe = 0, lm_head = 0;
+  double total() const { return attention + moe + lm_head; }
+};
+ChunkFlops FlopsOf(const ModelConfig& c, const ShardingPlan& plan, int64_t committed,
+                   int64_t rows) {
+  const double h = static_cast<double>(c.hidden_size), heads = plan.heads.size();
+  const double q_lora = static_cast<double>(*c.q_lora_rank), lora = c.kv_lora_rank;
+  const double qk = c.qk_head_dim(), v = c.v_head_dim, nope = c.qk_nope_head_dim;
+  const double keys = committed + rows;
+  const double padded_keys = std::ceil(keys / 256) * 256;
+  const double visible = rows * static_cast<double>(committed) + rows * (rows + 1.0) / 2;
+  ChunkFlops f;
+  f.attention =
+      c.num_hidden_layers *
+      (2 * rows * (h * q_lora + q_lora * heads * qk + h * c.kv_row_dim() + heads * v * h) +
+       2 * padded_keys * lora * heads * (nope + v) + 2 * visible * heads * (qk + v));
+  // Per token: top-k experts, each local with probability local / all, of the local columns.
+  const double expert_columns = static_cast<double>(c.num_experts_per_tok) * plan.experts.size() /
+                                c.n_routed_experts * plan.expert_intermediate.size();
+  f.moe = c.num_hidden_layers * 2 * rows *
+          (h * c.n_routed_experts + 3 * h * expert_columns +
+           3 * h * static_cast<double>(plan.shared_intermediate.size()));
+  f.lm_head = 2 * rows * h * static_cast<double>(plan.vocab.size());
+  return f;
+}
+
+// The dense bf16 tensor-core rate cuBLASLt reaches on this device: an 8192^3 GEMM, median of 10.
+absl::StatusOr<double> MeasureTensorRate(cudaStream_t stream) {
+  constexpr int64_t n = 8192;
+  TV_ASSIGN_OR_RETURN(auto gemm, kernels::cuda::GemmRunner::Create());
+  TV_ASSIGN_OR_RETURN(auto a, DeviceArray<Bf16>::Allocate(n * n));
+  TV_ASSIGN_OR_RETURN(auto b, DeviceArray<Bf16>::Allocate(n * n));
+  TV_ASSIGN_OR_RETURN(auto y, DeviceArray<Bf16>::Allocate(n * n));
+  TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(a.get(), n * n, 1.0f, 1, stream));
+  TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(b.get(), n * n, 1.0f, 2, stream));
+  cudaEvent_t start, stop;
+  TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  std::vector<double> rates;
+  for (int i = 0; i < 13; ++i) {
+    TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+    TV_RETURN_IF_ERROR(
+        gemm->Run({.x = a.get(), .weight = b.get(), .y = y.get(), .m = n, .n = n, .k = n}, stream));
+    TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+    TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+    float ms = 0;
+    TV_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 3) rates.push_back(2.0 * n * n * n / (ms * 1e-3));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+// Time to first token of each prompt length: its chunks' steps in order (twice: the first pass
+// warms plans and buffers), the sum of the second pass's against the FLOP floor.
+absl::Status RunPrefill(const Args& args, const ModelConfig& config, const ShardingPlan& plan,
+                        const char* sharding_name, CudaForward& forward, cudaStream_t stream,
+                        nlohmann::json& results) {
+  TV_ASSIGN_OR_RETURN(const double rate, MeasureTensorRate(stream));
+  std::printf("tensor-core rate (cuBLASLt bf16 8192^3): %.0f TFLOP/s\n", rate / 1e12);
+  const int layers = static_cast<int>(config.num_hidden_layers);
+  for (int64_t prompt : args.prefill) {
+    double wall = 0;
+    std::array<double, kStepPhases> phase_seconds{};
+    ChunkFlops flops;
+    for (int pass = 0; pass < 2; ++pass) {
+      wall = 0;
+      phase_seconds = {};
+      flops = {};
+      for (int64_t committed = 0; committed < prompt; committed += args.prefill_chunk) {
+        const int64_t rows = std::min(args.prefill_chunk, prompt - committed);
+        const BatchInputs batch = MakeChainBatch(committed, rows, config);
+        ForwardOutputs outputs;
+        const auto start = std::chrono::steady_clock::now();
+        TV_RETURN_IF_ERROR(forward.Run(batch, outputs));
+        wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const StepAccount account = *forward.last_step_account();
+        if (!account.prefill) {
+          return absl::InternalError(
+              absl::StrCat("chunk at ", committed, " missed the prefill path"));
+        }
+        for (int p = 0; p < kStepPhases; ++p) {
+          phase_seconds[p] += account.phase(static_cast<StepPhase>(p)).gpu_seconds;
+        }
+        const ChunkFlops chunk = FlopsOf(config, plan, committed, rows);
+        flops.attention += chunk.attention;
+        flops.moe += chunk.moe;
+        flops.lm_head += chunk.lm_head;
+      }
+    }
+    double gpu = 0;
+    for (double seconds : phase_seconds) gpu += seconds;
+    const auto phase = [&](StepPhase p) { return phase_seconds[static_cast<int>(p)]; };
+    nlohmann::json row = {
+        {"sharding", sharding_name},    {"layers", layers},      {"prompt", prompt},
+        {"chunk", args.prefill_chunk},  {"ttft_ms", wall * 1e3}, {"gpu_ms", gpu * 1e3},
+        {"tensor_tflop_s", rate / 1e12}};
+    std::string line = absl::StrCat(sharding_name, " prefill ", prompt, " in chunks of ",
+                                    args.prefill_chunk, ": ttft ", static_cast<int>(wall * 1e3),
+                                    " ms (gpu ", static_cast<int>(gpu * 1e3), " ms)");
+    for (const auto& [name, p, f] :
+         {std::tuple{"attention", StepPhase::kAttention, flops.attention},
+          std::tuple{"moe", StepPhase::kMoe, flops.moe},
+          std::tuple{"lm_head", StepPhase::kLmHead, flops.lm_head}}) {
+      const double floor = f / rate;
+      row["phases"][name] = {{"ms", phase(p) * 1e3},
+                             {"tflop", f / 1e12},
+                             {"floor_ms", floor * 1e3},
+                             {"compute_utilization", floor / phase(p)}};
+      absl::StrAppend(&line, " ", name, " ", static_cast<int>(phase(p) * 1e3), "ms/",
+                      static_cast<int>(floor * 1e3), "ms(",
+                      static_cast<int>(100 * floor / phase(p)), "%)");
+    }
+    const double floor = flops.total() / rate;
+    row["total"] = {{"tflop", flops.total() / 1e12},
+                    {"floor_ms", floor * 1e3},
+                    {"compute_utilization", floor / gpu},
+                    {"per_layer_ms", (gpu - phase(StepPhase::kLmHead)) * 1e3 / layers}};
+    absl::StrAppend(&line, " | floor ", static_cast<int>(floor * 1e3), " ms (",
+                    static_cast<int>(100 * floor / gpu), "% of the gpu time), per layer ",
+                    (gpu - phase(StepPhase::kLmHead)) * 1e3 / layers, " ms");
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+    results["prefill"].push_back(row);
+  }
+  return absl::OkStatus();
 }
 
 double Median(std::vector<double> values) {
@@ -130,8 +308,10 @@ double Median(std::vector<double> values) {
 
 absl::Status RunSharding(const Args& args, ExpertSharding sharding,
                          const kernels::cuda::DeviceInfo& device, nlohmann::json& results) {
-  const int64_t max_keys = *std::max_element(args.contexts.begin(), args.contexts.end()) +
-                           *std::max_element(args.trees.begin(), args.trees.end());
+  const int64_t max_keys = args.prefill.empty()
+                               ? *std::max_element(args.contexts.begin(), args.contexts.end()) +
+                                     *std::max_element(args.trees.begin(), args.trees.end())
+                               : *std::max_element(args.prefill.begin(), args.prefill.end());
   ModelConfig config = KimiK2(1);
   TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
   int layers = args.layers;
@@ -167,9 +347,13 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
       std::unique_ptr<CudaForward> forward,
       CudaForward::Create(std::move(weights), *kv, &solo, device, stream, {.account_steps = true}));
 
+  if (!args.prefill.empty()) {
+    TV_RETURN_IF_ERROR(RunPrefill(args, config, plan, sharding_name, *forward, stream, results));
+  }
   for (int64_t context : args.contexts) {
     for (int64_t nodes : args.trees) {
-      const BatchInputs batch = MakeBatch(context, nodes, static_cast<int32_t>(config.vocab_size));
+      if (!args.prefill.empty()) break;
+      const BatchInputs batch = MakeBatch(context, nodes, config);
       // The previous step's accepted path, as a commit moves it: nodes 1 and 3 onto positions 1
       // and 2 (the rows are the bench's, the moves a commit's).
       std::vector<int64_t> src, dst;
@@ -274,6 +458,14 @@ absl::Status Main(int argc, char** argv) {
       TV_ASSIGN_OR_RETURN(args.trees, ParseList(value));
     } else if (flag == "--iters") {
       if (!absl::SimpleAtoi(value, &args.iters)) return absl::InvalidArgumentError(value);
+    } else if (flag == "--prefill") {
+      TV_ASSIGN_OR_RETURN(args.prefill, ParseList(value));
+    } else if (flag == "--prefill-chunk") {
+      if (!absl::SimpleAtoi(value, &args.prefill_chunk) || args.prefill_chunk < 1 ||
+          args.prefill_chunk > kMaxChainRows) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--prefill-chunk must be in 1..", kMaxChainRows, ", got ", value));
+      }
     } else if (flag == "--json") {
       args.json = value;
     } else if (flag == "--sharding") {

@@ -23,7 +23,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
 gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
-           tests/kernels/cuda_mla_verify_attention_test tests/worker/cuda_forward_test
+           tests/kernels/cuda_mla_verify_attention_test tests/kernels/cuda_mha_prefill_attention_test
+           tests/worker/cuda_forward_test
            tests/worker/cuda_golden_test tests/worker/nccl_communicator_test
            tests/integration/cuda_service_test)
 # What the service test starts, bundled beside the tests and named to them through the
@@ -34,8 +35,10 @@ gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_benc
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck
 # also reports in a correct 60-line kernel (bench/NOTES.md, steps 45-46).
-sanitized=("cuda_mla_verify_attention_test:*GraphReplay*:*TinyModel*")
-race_gating=("cuda_mla_verify_attention_test:*EveryNarrowRowTile*:*PortableKernelAtProductionDims*")
+sanitized=("cuda_mla_verify_attention_test:*GraphReplay*:*TinyModel*"
+           "cuda_mha_prefill_attention_test:*")
+race_gating=("cuda_mla_verify_attention_test:*EveryNarrowRowTile*:*PortableKernelAtProductionDims*"
+             "cuda_mha_prefill_attention_test:*Nope16*")
 race_recorded=("cuda_mla_verify_attention_test:*ProductionDimsMatchTheCpuBackend*")
 
 case "${1:-}" in
@@ -48,6 +51,10 @@ case "${1:-}" in
       binaries+=("${BUILD_DIR:-$root/build-gpu}/$t")
     done
     bash "$root/../shared/tools/gpu-bundle.sh" "$bundle" "${binaries[@]}"
+    # The timeline tracer (bench/cupti_trace.cc), loaded by the driver, not linked: beside the libraries.
+    if [ -e "${BUILD_DIR:-$root/build-gpu}/bench/libcupti_trace.so" ]; then
+      cp "${BUILD_DIR:-$root/build-gpu}/bench/libcupti_trace.so" "$bundle/lib/"
+    fi
     ;;
   run)
     out=${2:-$root/gpu-check-out}

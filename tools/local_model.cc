@@ -43,9 +43,9 @@ absl::StatusOr<std::unique_ptr<LocalModel>> LocalModel::Create(const std::string
     return absl::InvalidArgumentError(
         absl::StrCat("world_size must be >= 1, got ", options.world_size));
   }
-  if (options.prefill_chunk < 1 || options.prefill_chunk > kernels::kMaxSegmentRows) {
+  if (options.prefill_chunk < 1 || options.prefill_chunk > worker::kMaxChainRows) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefill_chunk must be in 1..", kernels::kMaxSegmentRows, ", got ", options.prefill_chunk));
+        "prefill_chunk must be in 1..", worker::kMaxChainRows, ", got ", options.prefill_chunk));
   }
   std::unique_ptr<worker::InProcessGroup> group;
   if (!options.communicator_factory) {

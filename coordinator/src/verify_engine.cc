@@ -76,9 +76,9 @@ absl::Status VerifyEngineOptions::Validate() const {
                                                    kernels::kMaxSegmentRows - 1, "], got ",
                                                    max_draft_nodes));
   }
-  if (prefill_chunk < 1 || prefill_chunk > kernels::kMaxSegmentRows) {
+  if (prefill_chunk < 1 || prefill_chunk > worker::kMaxChainRows) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prefill_chunk must be in [1, ", kernels::kMaxSegmentRows, "], got ", prefill_chunk));
+        "prefill_chunk must be in [1, ", worker::kMaxChainRows, "], got ", prefill_chunk));
   }
   if (max_batch_rows < kernels::kMaxSegmentRows) {
     return absl::InvalidArgumentError(absl::StrCat("max_batch_rows must be at least ",
@@ -156,8 +156,9 @@ class VerifyEngine::Impl {
   }
   // Queues rows for the next Forward; `done` runs on the dispatch thread.
   void Enqueue(worker::SegmentInput segment, SegmentCallback done);
-  void PrefillChunk(std::shared_ptr<SessionLease> lease, std::vector<int32_t> prompt, size_t begin,
-                    bool return_logprobs, CreateSessionCallback done);
+  void PrefillChunk(std::shared_ptr<SessionLease> lease, std::vector<int32_t> prompt,
+                    size_t previous_begin, size_t begin, bool return_logprobs,
+                    CreateSessionCallback done);
   absl::StatusOr<VerifyOutput> FinishVerify(Session& session, const VerifyInput& input,
                                             const std::vector<int32_t>& depth, absl::Time started,
                                             absl::Time validated,
@@ -223,20 +224,27 @@ void VerifyEngine::Impl::CreateSessionAsync(CreateSessionInput input, CreateSess
       sessions_->CreateSession(input.sampling, input.stopping, absl::Now());
   if (!lease.ok()) return done(lease.status());
   PrefillChunk(std::make_shared<SessionLease>(std::move(*lease)), std::move(input.prompt_token_ids),
-               0, input.return_logprobs, std::move(done));
+               0, 0, input.return_logprobs, std::move(done));
 }
 
-// Prefills prompt[begin, begin + chunk) as a chain, committing the previous chunk first; the
-// last chunk's last node decides the first pending token.
+// Prefills prompt[begin, begin + chunk) as a chain, committing the previous chunk
+// (prompt[previous_begin, begin)) first; the last chunk's last node decides the first pending
+// token. The last chunk returns top-k / top-p candidates for each of its rows, so it is held to a
+// tree's size (kMaxSegmentRows): the tail of a prompt longer than that goes in a chunk of its own.
 void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
-                                      std::vector<int32_t> prompt, size_t begin,
-                                      bool return_logprobs, CreateSessionCallback done) {
+                                      std::vector<int32_t> prompt, size_t previous_begin,
+                                      size_t begin, bool return_logprobs,
+                                      CreateSessionCallback done) {
   Session& session = **lease;
-  const size_t end = std::min(prompt.size(), begin + options_.prefill_chunk);
+  size_t end = std::min(prompt.size(), begin + options_.prefill_chunk);
+  const size_t tail = kernels::kMaxSegmentRows;
+  if (end == prompt.size() && end - begin > tail && CandidatesPerShard(session.sampling) > 0) {
+    end -= tail;
+  }
   const bool last = end == prompt.size();
   worker::SegmentInput segment;
   segment.sequence_id = session.sequence_id;
-  if (begin > 0) segment.commit_nodes = worker::SegmentTree::AllNodes(options_.prefill_chunk);
+  if (begin > 0) segment.commit_nodes = worker::SegmentTree::AllNodes(begin - previous_begin);
   segment.expected_committed_length = static_cast<int64_t>(begin);
   segment.token_ids.assign(prompt.begin() + begin, prompt.begin() + end);
   segment.parents = worker::SegmentTree::ChainParents(static_cast<int32_t>(end - begin));
@@ -245,54 +253,54 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
                         .seed = session.sampling.seed,
                         .candidates = CandidatesPerShard(session.sampling)};
   }
-  Enqueue(std::move(segment),
-          [this, lease = std::move(lease), prompt = std::move(prompt), begin, end, last,
-           return_logprobs, done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
-            Session& session = **lease;
-            absl::Status status = result.status();
-            if (status.ok()) status = result->per_rank[0].status;
-            if (!status.ok()) {
-              // The session never became usable: forget it and free whatever the ranks hold.
-              const SessionId id = session.id;
-              lease.reset();  // ends the lease first, so Close removes the session at once
-              if (absl::StatusOr<uint64_t> sequence = sessions_->Close(id);
-                  sequence.ok() && *sequence != kNoSequenceId) {
-                absl::MutexLock lock(&mu_);
-                to_release_.push_back(*sequence);
-              }
-              return done(status);
-            }
-            if (!last) {
-              // Re-enter through the queue so other sessions' work interleaves with long prompts.
-              return PrefillChunk(lease, std::move(prompt), end, return_logprobs, std::move(done));
-            }
-            const int32_t candidates = CandidatesPerShard(session.sampling);
-            const size_t last_node = end - begin - 1;
-            absl::StatusOr<SelectedToken> first =
-                SelectToken(ShardsOf(*result, last_node, candidates), session.sampling,
-                            static_cast<int64_t>(prompt.size()));
-            if (!first.ok()) {
-              lease.reset();
-              return done(first.status());
-            }
-            session.committed_tokens = prompt;
-            session.pending_token = first->token;
-            session.pending_commit = worker::SegmentTree::AllNodes(end - begin);
-            const std::vector<int32_t> emitted = {first->token};
-            const StopDecision stop =
-                ApplyStopping(emitted, 0, session.stopping, info_.eos_token_ids,
-                              static_cast<int64_t>(prompt.size()), info_.max_context_length);
-            session.emitted_tokens = 1;
-            session.finish_reason = stop.reason;
-            CreateSessionOutput out;
-            out.session_id = session.id;
-            out.pending_token_id = first->token;
-            out.context_length = static_cast<int64_t>(prompt.size());
-            out.pending_logprob = return_logprobs ? first->logprob : 0.0f;
-            out.finish_reason = stop.reason;
-            lease.reset();
-            done(std::move(out));
-          });
+  Enqueue(std::move(segment), [this, lease = std::move(lease), prompt = std::move(prompt), begin,
+                               end, last, return_logprobs, done = std::move(done)](
+                                  absl::StatusOr<SegmentResult> result) mutable {
+    Session& session = **lease;
+    absl::Status status = result.status();
+    if (status.ok()) status = result->per_rank[0].status;
+    if (!status.ok()) {
+      // The session never became usable: forget it and free whatever the ranks hold.
+      const SessionId id = session.id;
+      lease.reset();  // ends the lease first, so Close removes the session at once
+      if (absl::StatusOr<uint64_t> sequence = sessions_->Close(id);
+          sequence.ok() && *sequence != kNoSequenceId) {
+        absl::MutexLock lock(&mu_);
+        to_release_.push_back(*sequence);
+      }
+      return done(status);
+    }
+    if (!last) {
+      // Re-enter through the queue so other sessions' work interleaves with long prompts.
+      return PrefillChunk(lease, std::move(prompt), begin, end, return_logprobs, std::move(done));
+    }
+    const int32_t candidates = CandidatesPerShard(session.sampling);
+    const size_t last_node = end - begin - 1;
+    absl::StatusOr<SelectedToken> first =
+        SelectToken(ShardsOf(*result, last_node, candidates), session.sampling,
+                    static_cast<int64_t>(prompt.size()));
+    if (!first.ok()) {
+      lease.reset();
+      return done(first.status());
+    }
+    session.committed_tokens = prompt;
+    session.pending_token = first->token;
+    session.pending_commit = worker::SegmentTree::AllNodes(end - begin);
+    const std::vector<int32_t> emitted = {first->token};
+    const StopDecision stop =
+        ApplyStopping(emitted, 0, session.stopping, info_.eos_token_ids,
+                      static_cast<int64_t>(prompt.size()), info_.max_context_length);
+    session.emitted_tokens = 1;
+    session.finish_reason = stop.reason;
+    CreateSessionOutput out;
+    out.session_id = session.id;
+    out.pending_token_id = first->token;
+    out.context_length = static_cast<int64_t>(prompt.size());
+    out.pending_logprob = return_logprobs ? first->logprob : 0.0f;
+    out.finish_reason = stop.reason;
+    lease.reset();
+    done(std::move(out));
+  });
 }
 
 void VerifyEngine::Impl::VerifyAsync(VerifyInput input, VerifyCallback done) {

@@ -1,5 +1,7 @@
 // KV append and copy. Roofline: 2 * row_dim bytes read and written per row (1152 B for
 // DeepSeek's 576-wide rows): launch bound for a verify batch.
+#include <algorithm>
+
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 
@@ -32,7 +34,45 @@ __global__ void KvCopyKernel(const int64_t* __restrict__ src_slots,
   }
 }
 
+// One thread per 16-byte unit of the output, grid-stride.
+__global__ void KvGatherKernel(const uint4* __restrict__ cache, const int32_t* __restrict__ pages,
+                               uint4* __restrict__ out, int64_t keys, int64_t padded_keys,
+                               int64_t row_units, int32_t page_size, int64_t num_pages) {
+  const int64_t total = padded_keys * row_units;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t key = i / row_units;
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (key < keys) {
+      const int64_t page = pages[key / page_size];
+      if (page >= 0 && page < num_pages) {
+        value = cache[(page * page_size + key % page_size) * row_units + i % row_units];
+      }
+    }
+    out[i] = value;
+  }
+}
+
 }  // namespace
+
+absl::Status KvGather(const KvGatherParams& p, cudaStream_t stream) {
+  if (p.keys < 0 || p.padded_keys < p.keys || p.row_dim <= 0 || p.row_dim % 8 != 0 ||
+      p.page_size <= 0 || p.num_pages <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::KvGather: keys=", p.keys, " padded_keys=", p.padded_keys, " row_dim=", p.row_dim,
+        " page_size=", p.page_size, " num_pages=", p.num_pages));
+  }
+  if (p.padded_keys == 0) return absl::OkStatus();
+  if (p.cache == nullptr || p.page_table == nullptr || p.out == nullptr) {
+    return absl::InvalidArgumentError("cuda::KvGather: cache, page_table and out must be non-null");
+  }
+  const int64_t units = p.padded_keys * (p.row_dim / 8);
+  const int blocks = static_cast<int>(std::min<int64_t>((units + 255) / 256, 4096));
+  KvGatherKernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const uint4*>(p.cache), p.page_table,
+                                             reinterpret_cast<uint4*>(p.out), p.keys, p.padded_keys,
+                                             p.row_dim / 8, p.page_size, p.num_pages);
+  return CudaStatus(cudaGetLastError(), "KvGatherKernel launch");
+}
 
 absl::Status KvAppend(const KvAppendParamsOf<Bf16>& p, cudaStream_t stream) {
   const int64_t row_stride = p.row_stride ? p.row_stride : p.row_dim;

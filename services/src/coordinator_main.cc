@@ -36,6 +36,9 @@ ABSL_FLAG(int64_t, max_context, 0, "Largest context of a session (0: the model's
 ABSL_FLAG(int64_t, batch_window_us, 300,
           "How long a Verify waits for other sessions' trees to share its forward");
 ABSL_FLAG(int64_t, max_batch_rows, 4096, "Rows of one forward (at least 256)");
+ABSL_FLAG(int32_t, prefill_chunk, 256,
+          "Prompt rows per prefill forward (1..8192); GPU ranks prefill long chunks in the MHA "
+          "form (docs/gpu-worker.md), so give them 2048 or more");
 ABSL_FLAG(int64_t, max_sessions, 1024, "Live sessions (more: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int64_t, session_ttl_s, 600, "Idle seconds after which a session expires");
 ABSL_FLAG(int64_t, rank_timeout_s, 60, "Deadline of every call to a rank");
@@ -64,6 +67,7 @@ absl::StatusOr<coordinator::VerifyEngineOptions> EngineOptionsFromFlags() {
   options.max_context_length = absl::GetFlag(FLAGS_max_context);
   options.batch_window = absl::Microseconds(absl::GetFlag(FLAGS_batch_window_us));
   options.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.rank_timeout = absl::Seconds(absl::GetFlag(FLAGS_rank_timeout_s));
   options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.sessions.idle_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_s));

@@ -18,6 +18,7 @@
 #include "treeverify/tools/drafters.h"
 #include "treeverify/tools/local_model.h"
 #include "treeverify/tools/speculative_generate.h"
+#include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::coordinator {
 namespace {
@@ -150,6 +151,35 @@ TEST(VerifyEngineTest, SeedsMatterAndTopKRestricts) {
   const GenerateResult top1 = Generate(*replica.engine, prompt, "none", {},
                                        {.temperature = 1.0f, .seed = 3, .top_k = 1}, 32);
   EXPECT_EQ(top1.tokens, greedy.tokens);
+}
+
+// Long prompts in long prefill chunks (longer than a tree: the ranks take them in pieces) give
+// the tokens of short chunks, greedy and with top-k / top-p sampling, whose last chunk returns
+// candidates for each row and so is held to a tree's size (the tail of the prompt on its own).
+TEST(VerifyEngineTest, LongPrefillChunksGiveTheTokensOfShortOnes) {
+  VerifyEngineOptions long_chunks;
+  long_chunks.prefill_chunk = 700;
+  Replica short_replica = MakeReplica(1);
+  Replica long_replica = MakeReplica(1, long_chunks);
+  const int vocab = static_cast<int>(short_replica.engine->info().vocab_size);
+  std::mt19937 rng(31);
+  for (int length : {300, 699, 701, 900}) {
+    std::vector<int32_t> prompt(length);
+    for (int32_t& t : prompt) t = std::uniform_int_distribution<int32_t>(2, vocab - 1)(rng);
+    for (const SamplingParams& sampling :
+         {SamplingParams{}, SamplingParams{.temperature = 0.8f, .seed = 9, .top_k = 20}}) {
+      SCOPED_TRACE(testing::Message() << "prompt of " << length << ", top_k " << sampling.top_k);
+      const GenerateResult expected =
+          Generate(*short_replica.engine, prompt, "none", {}, sampling, 8);
+      const GenerateResult actual =
+          Generate(*long_replica.engine, prompt, "random", {}, sampling, 8);
+      ASSERT_EQ(expected.tokens.size(), 8u);
+      EXPECT_EQ(actual.tokens, expected.tokens);
+    }
+  }
+  VerifyEngineOptions too_long;
+  too_long.prefill_chunk = worker::kMaxChainRows + 1;
+  EXPECT_EQ(too_long.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Sessions verifying at the same time share forwards, and each stays lossless.

@@ -159,21 +159,21 @@ TEST(ForwardConversionTest, RequestValidation) {
                  "sequences[0].token_ids has 4 entries but sequences[0].parents has 5");
   expect_invalid(
       [](v1::ForwardRequest& p) {
-        for (int i = 0; i < kernels::kMaxSegmentRows; ++i) {
+        for (int i = 0; i < worker::kMaxChainRows; ++i) {
           p.mutable_sequences(1)->add_token_ids(1);
           p.mutable_sequences(1)->add_parents(i - 1);
         }
         p.mutable_sequences(1)->add_token_ids(1);
         p.mutable_sequences(1)->add_parents(-1);
       },
-      "sequences[1] has 257 rows; at most 256");
+      "sequences[1] has 8193 rows; at most 8192");
   expect_invalid([](v1::ForwardRequest& p) { p.mutable_sequences(1)->add_commit_nodes(0); },
                  "sequences[1].commit_nodes is set but sequences[1].has_commit is false");
   expect_invalid(
       [](v1::ForwardRequest& p) {
-        for (int i = 0; i < 300; ++i) p.mutable_sequences(0)->add_commit_nodes(i);
+        for (int i = 0; i < worker::kMaxChainRows; ++i) p.mutable_sequences(0)->add_commit_nodes(i);
       },
-      "sequences[0].commit_nodes has 302 entries");
+      "sequences[0].commit_nodes has 8194 entries");
   for (float t : {-0.5f, 101.0f, std::numeric_limits<float>::quiet_NaN()}) {
     expect_invalid(
         [t](v1::ForwardRequest& p) {

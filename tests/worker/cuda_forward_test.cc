@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -203,6 +204,9 @@ struct RankSetup {
   }
 };
 
+void ExpectStepsAgree(const Model& model, tools::LocalModel& cpu, tools::LocalModel& gpu,
+                      const std::vector<ForwardRequest>& steps, const std::string& label);
+
 // Teacher forcing, GPU against the CPU at W = 1: two sequences' prompts as chains (with hidden
 // states of layer 1), then draft trees whose accepted paths are committed alike; every row by
 // the margin rule.
@@ -211,7 +215,6 @@ void ExpectTeacherForcingAgrees(const Model& model, tools::LocalModel& cpu, tool
   const unsigned seed = 77;
   std::mt19937 rng(seed);
   const int64_t vocab = cpu.config().vocab_size;
-  Agreement agreement;
 
   // Two sequences: prompts of 37 and 20 tokens as chains, with hidden states of layer 1.
   ForwardRequest prefill;
@@ -249,6 +252,15 @@ void ExpectTeacherForcingAgrees(const Model& model, tools::LocalModel& cpu, tool
     }
     steps.push_back(request);
   }
+  ExpectStepsAgree(model, cpu, gpu, steps, label);
+}
+
+// Both runners take `steps`; every row by the margin rule (with the near-tie allowance where the
+// model has near ties), hidden states within rounding.
+void ExpectStepsAgree(const Model& model, tools::LocalModel& cpu, tools::LocalModel& gpu,
+                      const std::vector<ForwardRequest>& steps, const std::string& label) {
+  const int64_t vocab = cpu.config().vocab_size;
+  Agreement agreement;
   for (size_t s = 0; s < steps.size(); ++s) {
     auto cpu_result = cpu.Forward(steps[s]);
     auto gpu_result = gpu.Forward(steps[s]);
@@ -313,6 +325,80 @@ TEST_F(CudaForwardTest, TeacherForcedStepsMatchTheCpuBackend) {
       ExpectTeacherForcingAgrees(model, *cpu, *gpu, label);
     }
   }
+}
+
+// The prefill path (the MHA form: steps of chains, kMinPrefillRows rows or more) against the CPU
+// by teacher forcing: two prompts prefilled together, the first past a tree's size (so in
+// pieces), each continued by a second chunk over its committed prefix, then draft trees in the
+// absorbed form over the cache the prefill path wrote. Every model: the padded kernels of the
+// tiny dims and DeepSeek's 192 / 128.
+TEST_F(CudaForwardTest, PrefillInTheMhaFormMatchesTheCpuBackend) {
+  for (const Model& model : Models()) {
+    SCOPED_TRACE(model.name);
+    const std::string dir = WriteModel(model);
+    auto cpu = MakeModel(dir, /*gpu=*/false);
+    auto gpu = MakeModel(dir, /*gpu=*/true);
+    ASSERT_NE(cpu, nullptr);
+    ASSERT_NE(gpu, nullptr);
+    std::mt19937 rng(83);
+    const int64_t vocab = cpu->config().vocab_size;
+    const std::vector<int32_t> first = {270, 20}, second = {330, 30};
+    std::vector<ForwardRequest> steps;
+    for (const std::vector<int32_t>* chunk : {&first, &second}) {
+      ForwardRequest request;
+      request.return_logits = true;
+      for (uint64_t id : {1, 2}) {
+        const int32_t rows = (*chunk)[id - 1];
+        SegmentInput segment{.sequence_id = id,
+                             .token_ids = RandomTokens(rows, vocab, rng),
+                             .parents = SegmentTree::ChainParents(rows),
+                             .hidden_state_layers = {1}};
+        if (chunk == &second) segment.commit_nodes = SegmentTree::AllNodes(first[id - 1]);
+        request.segments.push_back(segment);
+      }
+      steps.push_back(request);
+    }
+    for (int step = 0; step < 2; ++step) {
+      ForwardRequest request;
+      request.return_logits = true;
+      for (uint64_t id : {1, 2}) {
+        SegmentInput segment{.sequence_id = id,
+                             .token_ids = RandomTokens(7, vocab, rng),
+                             .parents = {-1, 0, 0, 1, 1, 3, 2}};
+        segment.commit_nodes =
+            step == 0 ? SegmentTree::AllNodes(second[id - 1]) : std::vector<int32_t>{0, 1, 3};
+        request.segments.push_back(segment);
+      }
+      steps.push_back(request);
+    }
+    ExpectStepsAgree(model, *cpu, *gpu, steps, model.name + " prefill");
+  }
+}
+
+// Which steps take the prefill path: chains of kMinPrefillRows rows or more in all, nothing else.
+TEST_F(CudaForwardTest, OnlyLongChainStepsTakeThePrefillPath) {
+  const Model model = Models().back();  // DeepSeek's attention dims
+  const std::string dir = WriteModel(model);
+  SoloCommunicator solo;
+  auto runner = MakeAccountingRunner(dir, solo);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  std::mt19937 rng(5);
+  const int64_t vocab = (*runner)->config().vocab_size;
+  auto step = [&](uint64_t id, std::vector<int32_t> parents, std::optional<int64_t> commit) {
+    SegmentInput segment{.sequence_id = id,
+                         .token_ids = RandomTokens(static_cast<int>(parents.size()), vocab, rng),
+                         .parents = std::move(parents)};
+    if (commit) segment.commit_nodes = SegmentTree::AllNodes(*commit);
+    ForwardRequest request;
+    request.segments.push_back(segment);
+    auto result = (*runner)->Forward(request);
+    EXPECT_TRUE(result.ok() && result->segments[0].status.ok());
+    return (*runner)->last_step_account().value_or(StepAccount{}).prefill;
+  };
+  EXPECT_TRUE(step(1, SegmentTree::ChainParents(300), std::nullopt));   // pieces of 256 + 44
+  EXPECT_FALSE(step(2, SegmentTree::ChainParents(100), std::nullopt));  // too short
+  EXPECT_FALSE(step(1, {-1, 0, 0, 1}, 300));                            // a tree
+  EXPECT_TRUE(step(2, SegmentTree::ChainParents(256), 100));            // over a prefix
 }
 
 // Two GPUs, one rank each, over NCCL: the all-reduces on the device and the steps replayed from

@@ -324,6 +324,114 @@ TEST(ModelRunnerTest, CommitEqualsFreshForwardAndReleaseFreesAll) {
   EXPECT_EQ(model->Release(1).code(), absl::StatusCode::kNotFound);
 }
 
+// A chain longer than a tree (a long prefill chunk) enters the batch as pieces of at most
+// kMaxSegmentRows rows: every row's summary, sampled winner, candidates, logits and hidden state
+// are those of the same prompt in short chunks, and so is the first step after it. Trees stay
+// bounded by the ancestor mask's width, chains by kMaxChainRows.
+TEST(ModelRunnerTest, LongChainsRunAsPiecesAndMatchShortChunks) {
+  const unsigned seed = 21;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  LocalModelOptions options;
+  options.world_size = 2;
+  options.kv_page_size = 16;
+  auto model = MakeModel("tiny-v3", options);
+  ASSERT_NE(model, nullptr);
+  const int vocab = static_cast<int>(model->config().vocab_size);
+  const int32_t length = 2 * kernels::kMaxSegmentRows + 77;  // three pieces, the last partial
+  const std::vector<int32_t> prompt = RandomTokens(length, vocab, rng);
+  const SegmentSampling sampling{.temperature = 0.8f, .seed = 5, .candidates = 3};
+  const int32_t last_layer = static_cast<int32_t>(model->config().num_hidden_layers);
+
+  SegmentInput whole{.sequence_id = 1,
+                     .token_ids = prompt,
+                     .parents = SegmentTree::ChainParents(length),
+                     .sampling = sampling,
+                     .hidden_state_layers = {last_layer}};
+  const LocalSegmentResult one = ForwardOne(*model, whole, /*logits=*/true);
+  ASSERT_TRUE(one.status.ok()) << one.status;
+
+  LocalSegmentResult chunked;
+  const std::vector<int32_t> bounds = {0, 300, 301, 556, length};
+  for (size_t c = 0; c + 1 < bounds.size(); ++c) {
+    const int32_t begin = bounds[c], end = bounds[c + 1];
+    SegmentInput chunk{
+        .sequence_id = 2,
+        .token_ids = std::vector<int32_t>(prompt.begin() + begin, prompt.begin() + end),
+        .parents = SegmentTree::ChainParents(end - begin),
+        .sampling = sampling,
+        .hidden_state_layers = {last_layer}};
+    if (c > 0) chunk.commit_nodes = SegmentTree::AllNodes(begin - bounds[c - 1]);
+    const LocalSegmentResult part = ForwardOne(*model, chunk, /*logits=*/true);
+    ASSERT_TRUE(part.status.ok()) << part.status;
+    chunked.summaries.insert(chunked.summaries.end(), part.summaries.begin(), part.summaries.end());
+    chunked.logits.insert(chunked.logits.end(), part.logits.begin(), part.logits.end());
+    chunked.shard_candidates.resize(part.shard_candidates.size());
+    for (size_t r = 0; r < part.shard_candidates.size(); ++r) {
+      chunked.shard_candidates[r].insert(chunked.shard_candidates[r].end(),
+                                         part.shard_candidates[r].begin(),
+                                         part.shard_candidates[r].end());
+    }
+    chunked.hidden_states.resize(1, {.layer = last_layer});
+    chunked.hidden_states[0].values.insert(chunked.hidden_states[0].values.end(),
+                                           part.hidden_states[0].values.begin(),
+                                           part.hidden_states[0].values.end());
+  }
+  ASSERT_EQ(one.summaries.size(), static_cast<size_t>(length));
+  ASSERT_EQ(chunked.summaries.size(), static_cast<size_t>(length));
+  for (int32_t n = 0; n < length; ++n) {
+    ExpectBitIdentical(one.summaries[n], chunked.summaries[n], "row " + std::to_string(n));
+    EXPECT_EQ(one.summaries[n].sampled_token, chunked.summaries[n].sampled_token) << "row " << n;
+  }
+  EXPECT_EQ(one.logits, chunked.logits);
+  EXPECT_EQ(one.shard_candidates.size(), chunked.shard_candidates.size());
+  for (size_t r = 0; r < one.shard_candidates.size(); ++r) {
+    ASSERT_EQ(one.shard_candidates[r].size(), static_cast<size_t>(length) * 3) << "rank " << r;
+    for (size_t i = 0; i < one.shard_candidates[r].size(); ++i) {
+      ASSERT_EQ(one.shard_candidates[r][i].token_id, chunked.shard_candidates[r][i].token_id) << i;
+      ASSERT_EQ(one.shard_candidates[r][i].logit, chunked.shard_candidates[r][i].logit) << i;
+    }
+  }
+  ASSERT_EQ(one.hidden_states.size(), 1u);
+  EXPECT_EQ(one.hidden_states[0].values, chunked.hidden_states[0].values);
+
+  // The next step (commit the whole chain, one tree) is the same on both.
+  const std::vector<int32_t> tokens = RandomTokens(5, vocab, rng);
+  const std::vector<int32_t> parents = {-1, 0, 0, 1, 2};
+  SegmentInput after_one{.sequence_id = 1,
+                         .commit_nodes = SegmentTree::AllNodes(length),
+                         .token_ids = tokens,
+                         .parents = parents};
+  SegmentInput after_chunked = after_one;
+  after_chunked.sequence_id = 2;
+  after_chunked.commit_nodes = SegmentTree::AllNodes(length - 556);
+  const LocalSegmentResult next_one = ForwardOne(*model, after_one);
+  const LocalSegmentResult next_chunked = ForwardOne(*model, after_chunked);
+  ASSERT_TRUE(next_one.status.ok()) << next_one.status;
+  ASSERT_TRUE(next_chunked.status.ok()) << next_chunked.status;
+  EXPECT_EQ(next_one.committed_length, length);
+  for (size_t n = 0; n < tokens.size(); ++n) {
+    ExpectBitIdentical(next_one.summaries[n], next_chunked.summaries[n],
+                       "node " + std::to_string(n));
+  }
+
+  // Bounds: a tree wider than the mask, a chain longer than kMaxChainRows.
+  std::vector<int32_t> wide_tree = SegmentTree::ChainParents(kernels::kMaxSegmentRows + 1);
+  wide_tree.back() = 0;
+  const LocalSegmentResult tree =
+      ForwardOne(*model, {.sequence_id = 3,
+                          .token_ids = RandomTokens(kernels::kMaxSegmentRows + 1, vocab, rng),
+                          .parents = wide_tree});
+  EXPECT_EQ(tree.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(tree.status.message()), testing::HasSubstr("must be a chain"));
+  const LocalSegmentResult too_long =
+      ForwardOne(*model, {.sequence_id = 4,
+                          .token_ids = std::vector<int32_t>(kMaxChainRows + 1, 1),
+                          .parents = SegmentTree::ChainParents(kMaxChainRows + 1)});
+  EXPECT_EQ(too_long.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_long.status.message()), testing::HasSubstr("at most"));
+}
+
 // A sequence that does not fit in the cache, or sends a bad tree, fails alone.
 TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {
   const unsigned seed = 13;

@@ -11,6 +11,7 @@
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
+#include "treeverify/kernels/cuda/mha_prefill_attention.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
@@ -178,6 +179,7 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
   account.rows = batch.rows();
   account.padded_rows = layout.rows;
   account.launch = last_launch_;
+  account.prefill = !prefill_chains_.empty();
   TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size()]));
   for (size_t i = 0; i < marks_.size(); ++i) {
     float ms = 0.0f;
@@ -190,10 +192,12 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
 
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
-  for (int32_t s = 0; s < batch.sequences(); ++s) {
+  // The context each attention pass reads: every sequence's, or each prefill chain's once.
+  for (int32_t s = 0; s < batch.sequences() && prefill_chains_.empty(); ++s) {
     shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
                          batch.row_offsets[s]);
   }
+  for (const PrefillChain& chain : prefill_chains_) shape.keys.push_back(chain.keys);
   shape.active_experts.assign(c.num_hidden_layers, 0);
   if (c.n_routed_experts > 0) {
     TV_CUDA_RETURN_IF_ERROR(cudaMemcpy(shape.active_experts.data(), active_experts_.get(),
@@ -407,6 +411,11 @@ absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs
   outputs.layer_hidden.resize(c.num_hidden_layers + 1);
   const int64_t rows = batch.rows();
   if (rows == 0) return absl::OkStatus();
+  if (batch.capture_layer.size() != static_cast<size_t>(c.num_hidden_layers) + 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("BatchInputs.capture_layer has ", batch.capture_layer.size(),
+                     " entries; the model has ", c.num_hidden_layers + 1, " layers to capture"));
+  }
   TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
   const StepLayout layout = LayoutOf(batch);
   step_rows_ = rows;
@@ -416,9 +425,23 @@ absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs
   last_launch_ = StepLaunch::kEager;  // unless RunGraph captures or replays
   const bool captures = std::find(batch.capture_layer.begin(), batch.capture_layer.end(), true) !=
                         batch.capture_layer.end();
+  prefill_chains_ = PrefillChainsOf(batch);
+  if (!prefill_chains_.empty()) {
+    int64_t keys = 0;
+    for (const PrefillChain& chain : prefill_chains_) keys = std::max<int64_t>(keys, chain.keys);
+    keys = (keys + kPrefillKeyAlign - 1) / kPrefillKeyAlign * kPrefillKeyAlign;
+    const ModelConfig& c = weights_.config;
+    const int64_t up_width = weights_.plan.heads.size() * (c.qk_nope_head_dim + c.v_head_dim);
+    if (prefill_latent_.size() < keys * c.kv_row_dim() || prefill_kv_up_.size() < keys * up_width) {
+      TV_RETURN_IF_ERROR(Synchronize());
+      TV_RETURN_IF_ERROR(Grow(prefill_latent_, keys * c.kv_row_dim()));
+      TV_RETURN_IF_ERROR(Grow(prefill_kv_up_, keys * up_width));
+    }
+  }
   // A graph replays device work only: hidden states copied out mid-step and all-reduces through
-  // a host communicator run eagerly.
-  if (use_graphs_ && !captures && (communicator_->world_size() == 1 || collectives_ != nullptr)) {
+  // a host communicator run eagerly; so does prefill (its shapes vary with every prompt).
+  if (use_graphs_ && !captures && prefill_chains_.empty() &&
+      (communicator_->world_size() == 1 || collectives_ != nullptr)) {
     TV_RETURN_IF_ERROR(RunGraph(layout));
   } else {
     TV_RETURN_IF_ERROR(Layers(layout, &batch.capture_layer, outputs.layer_hidden));
@@ -612,52 +635,126 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
 absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layout) {
   const ModelConfig& c = weights_.config;
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  const int64_t heads = weights_.plan.heads.size();
+  TV_RETURN_IF_ERROR(ProjectQueries(w, layout.rows));
+  TV_RETURN_IF_ERROR(AppendNewRows(layer_index, layout.rows));
+  TV_RETURN_IF_ERROR(prefill_chains_.empty() ? AbsorbedAttention(layer_index, layout)
+                                             : PrefillAttention(layer_index, layout));
+  // o_proj: this rank's partial sum over its heads, all-reduced by the caller.
+  return gemm_->Run({.x = activations_.values.get(),
+                     .weight = w.o_proj.get(),
+                     .y = activations_.branch.get(),
+                     .m = layout.rows,
+                     .n = c.hidden_size,
+                     .k = heads * c.v_head_dim},
+                    stream_);
+}
+
+CudaForward::AttentionDims CudaForward::attention_dims() const {
+  const ModelConfig& c = weights_.config;
+  return {.heads = weights_.plan.heads.size(),
+          .nope = c.qk_nope_head_dim,
+          .rope = c.qk_rope_head_dim,
+          .qk = c.qk_head_dim(),
+          .lora = c.kv_lora_rank,
+          .row_dim = c.kv_row_dim(),
+          .v = c.v_head_dim};
+}
+
+// Queries [rows, heads, qk] from the (optionally low-rank) projection; q_pe not yet rotated.
+absl::Status CudaForward::ProjectQueries(const DeviceAttentionWeights& w, int64_t rows) {
+  const ModelConfig& c = weights_.config;
   Activations& a = activations_;
-  const int64_t rows = layout.rows;
   const int64_t hidden = c.hidden_size;
   const int64_t heads = weights_.plan.heads.size();
-  const int64_t nope = c.qk_nope_head_dim;
-  const int64_t rope = c.qk_rope_head_dim;
   const int64_t qk = c.qk_head_dim();
+  if (!c.q_lora_rank) {
+    return gemm_->Run({.x = a.normed.get(),
+                       .weight = w.q_proj.get(),
+                       .y = a.q.get(),
+                       .m = rows,
+                       .n = heads * qk,
+                       .k = hidden},
+                      stream_);
+  }
+  const int64_t q_lora = *c.q_lora_rank;
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = w.q_a_proj.get(),
+                                 .y = a.q_a.get(),
+                                 .m = rows,
+                                 .n = q_lora,
+                                 .k = hidden},
+                                stream_));
+  TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.q_a.get(),
+                                    .weight = w.q_a_norm.get(),
+                                    .output = a.q_a_normed.get(),
+                                    .rows = rows,
+                                    .dim = q_lora,
+                                    .eps = kLatentNormEps},
+                                   stream_));
+  return gemm_->Run({.x = a.q_a_normed.get(),
+                     .weight = w.q_proj.get(),
+                     .y = a.q.get(),
+                     .m = rows,
+                     .n = heads * qk,
+                     .k = q_lora},
+                    stream_);
+}
+
+// The new rows' latent KV: normalized latent and rotated shared key, into the cache.
+absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows) {
+  const ModelConfig& c = weights_.config;
+  const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  Activations& a = activations_;
   const int64_t lora = c.kv_lora_rank;
   const int64_t row_dim = c.kv_row_dim();
-  const int64_t v = c.v_head_dim;
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = w.kv_a_proj.get(),
+                                 .y = a.kv_a.get(),
+                                 .m = rows,
+                                 .n = row_dim,
+                                 .k = c.hidden_size},
+                                stream_));
+  TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.kv_a.get(),
+                                    .weight = w.kv_a_norm.get(),
+                                    .output = a.kv_row.get(),
+                                    .rows = rows,
+                                    .dim = lora,
+                                    .input_stride = row_dim,
+                                    .output_stride = row_dim,
+                                    .eps = kLatentNormEps},
+                                   stream_));
+  TV_RETURN_IF_ERROR(
+      cuda::Rope(kernels::RopeParamsOf<float, Bf16>{.x = a.kv_row.get() + lora,
+                                                    .positions = inputs_.positions,
+                                                    .inv_freq = weights_.rope_inv_freq.get(),
+                                                    .rows = rows,
+                                                    .heads = 1,
+                                                    .rope_dim = c.qk_rope_head_dim,
+                                                    .row_stride = row_dim,
+                                                    .head_stride = row_dim,
+                                                    .attention_factor = rope_attention_factor_,
+                                                    .interleaved = c.rope_interleave,
+                                                    .input = a.kv_a.get() + lora},
+                 stream_));
+  return cuda::KvAppend({.rows = a.kv_row.get(),
+                         .slots = inputs_.slots,
+                         .cache = kv_rows_.layer_data(layer_index),
+                         .count = rows,
+                         .row_dim = row_dim,
+                         .num_slots = kv_rows_.options().num_slots()},
+                        stream_);
+}
 
-  // Queries [rows, heads, qk] from the (optionally low-rank) projection.
-  if (c.q_lora_rank) {
-    const int64_t q_lora = *c.q_lora_rank;
-    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                   .weight = w.q_a_proj.get(),
-                                   .y = a.q_a.get(),
-                                   .m = rows,
-                                   .n = q_lora,
-                                   .k = hidden},
-                                  stream_));
-    TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.q_a.get(),
-                                      .weight = w.q_a_norm.get(),
-                                      .output = a.q_a_normed.get(),
-                                      .rows = rows,
-                                      .dim = q_lora,
-                                      .eps = kLatentNormEps},
-                                     stream_));
-    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q_a_normed.get(),
-                                   .weight = w.q_proj.get(),
-                                   .y = a.q.get(),
-                                   .m = rows,
-                                   .n = heads * qk,
-                                   .k = q_lora},
-                                  stream_));
-  } else {
-    TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                   .weight = w.q_proj.get(),
-                                   .y = a.q.get(),
-                                   .m = rows,
-                                   .n = heads * qk,
-                                   .k = hidden},
-                                  stream_));
-  }
-  // Absorbed queries [rows, heads, lora + rope]: q_nope through W_UK (one product per head),
-  // then the rotated q_pe.
+// The tree attention in the latent space: q_nope through W_UK (one product per head) and the
+// rotated q_pe make the absorbed query; the MLA kernel attends over the cache; the latent output
+// goes back through W_UV (one product per head) into a.values.
+absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayout& layout) {
+  const ModelConfig& c = weights_.config;
+  const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  Activations& a = activations_;
+  const int64_t rows = layout.rows;
+  const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
   TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q.get(),
                                  .weight = w.w_uk_t.get(),
                                  .y = a.q_attn.get(),
@@ -686,47 +783,7 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
                                                    .input_row_stride = heads * qk,
                                                    .input_head_stride = qk},
                  stream_));
-
-  // The new rows' latent KV: normalized latent and rotated shared key, into the cache.
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                 .weight = w.kv_a_proj.get(),
-                                 .y = a.kv_a.get(),
-                                 .m = rows,
-                                 .n = row_dim,
-                                 .k = hidden},
-                                stream_));
-  TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.kv_a.get(),
-                                    .weight = w.kv_a_norm.get(),
-                                    .output = a.kv_row.get(),
-                                    .rows = rows,
-                                    .dim = lora,
-                                    .input_stride = row_dim,
-                                    .output_stride = row_dim,
-                                    .eps = kLatentNormEps},
-                                   stream_));
-  TV_RETURN_IF_ERROR(
-      cuda::Rope(kernels::RopeParamsOf<float, Bf16>{.x = a.kv_row.get() + lora,
-                                                    .positions = inputs_.positions,
-                                                    .inv_freq = weights_.rope_inv_freq.get(),
-                                                    .rows = rows,
-                                                    .heads = 1,
-                                                    .rope_dim = rope,
-                                                    .row_stride = row_dim,
-                                                    .head_stride = row_dim,
-                                                    .attention_factor = rope_attention_factor_,
-                                                    .interleaved = c.rope_interleave,
-                                                    .input = a.kv_a.get() + lora},
-                 stream_));
   const KvCacheOptions& cache = kv_rows_.options();
-  Bf16* layer_rows = kv_rows_.layer_data(layer_index);
-  TV_RETURN_IF_ERROR(cuda::KvAppend({.rows = a.kv_row.get(),
-                                     .slots = inputs_.slots,
-                                     .cache = layer_rows,
-                                     .count = rows,
-                                     .row_dim = row_dim,
-                                     .num_slots = cache.num_slots()},
-                                    stream_));
-
   const cuda::MlaVerifyShape shape{.num_seqs = layout.sequences,
                                    .max_rows_per_seq = layout.max_rows_per_seq,
                                    .row_capacity = static_cast<int32_t>(a.capacity),
@@ -736,7 +793,7 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
                                    .page_size = cache.page_size};
   TV_ASSIGN_OR_RETURN(const cuda::MlaVerifyPlan* plan, MlaPlanFor(shape));
   TV_RETURN_IF_ERROR(cuda::MlaVerifyAttention({.q = a.q_attn.get(),
-                                               .kv_cache = layer_rows,
+                                               .kv_cache = kv_rows_.layer_data(layer_index),
                                                .page_table = inputs_.page_table,
                                                .committed_lengths = inputs_.committed_lengths,
                                                .row_offsets = inputs_.row_offsets,
@@ -753,29 +810,111 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
                                                .softmax_scale = softmax_scale_},
                                               shape, *plan, mla_workspace_.get(),
                                               mla_workspace_.size(), stream_));
-
-  // Back out of the latent space through W_UV (one product per head), then o_proj: this rank's
-  // partial sum over its heads, all-reduced by the caller.
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.latent_out.get(),
-                                 .weight = w.w_uv.get(),
-                                 .y = a.values.get(),
-                                 .m = rows,
-                                 .n = v,
-                                 .k = lora,
-                                 .x_stride = heads * lora,
-                                 .y_stride = heads * v,
-                                 .batch = heads,
-                                 .x_batch_stride = lora,
-                                 .weight_batch_stride = v * lora,
-                                 .y_batch_stride = v},
-                                stream_));
-  return gemm_->Run({.x = a.values.get(),
-                     .weight = w.o_proj.get(),
-                     .y = a.branch.get(),
+  return gemm_->Run({.x = a.latent_out.get(),
+                     .weight = w.w_uv.get(),
+                     .y = a.values.get(),
                      .m = rows,
-                     .n = hidden,
-                     .k = heads * v},
+                     .n = v,
+                     .k = lora,
+                     .x_stride = heads * lora,
+                     .y_stride = heads * v,
+                     .batch = heads,
+                     .x_batch_stride = lora,
+                     .weight_batch_stride = v * lora,
+                     .y_batch_stride = v},
                     stream_);
+}
+
+// The MHA form (cuda_forward.h): q_pe rotated in place; per chain its context's cache rows
+// gathered, up-projected through kv_b_proj in blocks of keys, and attended causally by the flash
+// kernel straight into a.values.
+absl::Status CudaForward::PrefillAttention(int64_t layer_index, const StepLayout& layout) {
+  const ModelConfig& c = weights_.config;
+  const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  Activations& a = activations_;
+  const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
+  const int64_t up_width = heads * (nope + v);
+  TV_RETURN_IF_ERROR(
+      cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q.get() + nope,
+                                                   .positions = inputs_.positions,
+                                                   .inv_freq = weights_.rope_inv_freq.get(),
+                                                   .rows = layout.rows,
+                                                   .heads = heads,
+                                                   .rope_dim = rope,
+                                                   .row_stride = heads * qk,
+                                                   .head_stride = qk,
+                                                   .attention_factor = rope_attention_factor_,
+                                                   .interleaved = c.rope_interleave},
+                 stream_));
+  // The padding rows belong to no chain: zeros, so that they stay finite through o_proj.
+  const int64_t padding = layout.rows - step_rows_;
+  TV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.values.get() + step_rows_ * heads * v, 0,
+                                          padding * heads * v * sizeof(Bf16), stream_));
+  const KvCacheOptions& cache = kv_rows_.options();
+  for (const PrefillChain& chain : prefill_chains_) {
+    const int64_t keys = (chain.keys + kPrefillKeyAlign - 1) / kPrefillKeyAlign * kPrefillKeyAlign;
+    TV_RETURN_IF_ERROR(cuda::KvGather(
+        {.cache = kv_rows_.layer_data(layer_index),
+         .page_table = inputs_.page_table + int64_t{chain.sequence} * layout.max_pages,
+         .out = prefill_latent_.get(),
+         .keys = chain.keys,
+         .padded_keys = keys,
+         .row_dim = row_dim,
+         .page_size = cache.page_size,
+         .num_pages = cache.num_pages},
+        stream_));
+    for (int64_t first = 0; first < keys; first += kPrefillKeyBlock) {
+      TV_RETURN_IF_ERROR(gemm_->Run({.x = prefill_latent_.get() + first * row_dim,
+                                     .weight = w.kv_b_proj.get(),
+                                     .y = prefill_kv_up_.get() + first * up_width,
+                                     .m = std::min(kPrefillKeyBlock, keys - first),
+                                     .n = up_width,
+                                     .k = lora,
+                                     .x_stride = row_dim},
+                                    stream_));
+    }
+    TV_RETURN_IF_ERROR(
+        cuda::MhaPrefillAttention({.q = a.q.get() + int64_t{chain.row_begin} * heads * qk,
+                                   .kv_up = prefill_kv_up_.get(),
+                                   .k_rope = prefill_latent_.get() + lora,
+                                   .out = a.values.get() + int64_t{chain.row_begin} * heads * v,
+                                   .rows = chain.rows,
+                                   .keys = chain.keys,
+                                   .heads = static_cast<int32_t>(heads),
+                                   .nope_dim = static_cast<int32_t>(nope),
+                                   .rope_dim = static_cast<int32_t>(rope),
+                                   .v_dim = static_cast<int32_t>(v),
+                                   .k_rope_stride = row_dim,
+                                   .softmax_scale = softmax_scale_},
+                                  stream_));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<CudaForward::PrefillChain> CudaForward::PrefillChainsOf(
+    const BatchInputs& batch) const {
+  const ModelConfig& c = weights_.config;
+  if (batch.rows() < kMinPrefillRows ||
+      !cuda::MhaPrefillSupported(static_cast<int32_t>(c.qk_nope_head_dim),
+                                 static_cast<int32_t>(c.qk_rope_head_dim),
+                                 static_cast<int32_t>(c.v_head_dim))) {
+    return {};
+  }
+  std::vector<PrefillChain> chains;
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    if (!batch.chain[s]) return {};
+    const int32_t rows = batch.row_offsets[s + 1] - batch.row_offsets[s];
+    if (batch.continues_chain[s] && !chains.empty()) {
+      chains.back().rows += rows;
+      chains.back().keys += rows;
+      continue;
+    }
+    chains.push_back({.row_begin = batch.row_offsets[s],
+                      .rows = rows,
+                      .keys = batch.committed_lengths[s] + rows,
+                      .sequence = s});
+  }
+  return chains;
 }
 
 absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {

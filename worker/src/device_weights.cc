@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -52,6 +53,25 @@ absl::StatusOr<DeviceMlpWeights> ToDevice(const MlpWeights& mlp) {
   return device;
 }
 
+// kv_b_proj [heads, nope + v, lora] from W_UK^T [heads, lora, nope] and W_UV [heads, v, lora],
+// both already on the device (the bf16 values the absorbed path uses, so both forms share them).
+absl::StatusOr<DeviceArray<Bf16>> UpProjection(const DeviceArray<Bf16>& w_uk_t,
+                                               const DeviceArray<Bf16>& w_uv, int64_t heads,
+                                               int64_t lora, int64_t nope, int64_t v) {
+  std::vector<Bf16> uk(w_uk_t.size()), uv(w_uv.size());
+  TV_CUDA_RETURN_IF_ERROR(cudaMemcpy(uk.data(), w_uk_t.get(), w_uk_t.bytes(), cudaMemcpyDefault));
+  TV_CUDA_RETURN_IF_ERROR(cudaMemcpy(uv.data(), w_uv.get(), w_uv.bytes(), cudaMemcpyDefault));
+  std::vector<Bf16> kv_b(heads * (nope + v) * lora);
+  for (int64_t h = 0; h < heads; ++h) {
+    Bf16* head = kv_b.data() + h * (nope + v) * lora;
+    for (int64_t d = 0; d < nope; ++d) {
+      for (int64_t c = 0; c < lora; ++c) head[d * lora + c] = uk[(h * lora + c) * nope + d];
+    }
+    std::copy_n(uv.data() + h * v * lora, v * lora, head + nope * lora);
+  }
+  return Copy(kv_b);
+}
+
 }  // namespace
 
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
@@ -75,6 +95,10 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     TV_ASSIGN_OR_RETURN(d.kv_a_norm, ToDevice(a.kv_a_norm));
     TV_ASSIGN_OR_RETURN(d.w_uk_t, ToDevice(a.w_uk_t));
     TV_ASSIGN_OR_RETURN(d.w_uv, ToDevice(a.w_uv));
+    TV_ASSIGN_OR_RETURN(
+        d.kv_b_proj,
+        UpProjection(d.w_uk_t, d.w_uv, weights.plan.heads.size(), weights.config.kv_lora_rank,
+                     weights.config.qk_nope_head_dim, weights.config.v_head_dim));
     TV_ASSIGN_OR_RETURN(d.o_proj, ToDevice(a.o_proj));
     out.is_moe = layer.is_moe;
     if (!layer.is_moe) {
@@ -168,6 +192,9 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     TV_ASSIGN_OR_RETURN(a.kv_a_norm, random.Ones(lora));
     TV_ASSIGN_OR_RETURN(a.w_uk_t, random.Projection(heads * lora, c.qk_nope_head_dim));
     TV_ASSIGN_OR_RETURN(a.w_uv, random.Projection(heads * c.v_head_dim, lora));
+    TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
+    TV_ASSIGN_OR_RETURN(
+        a.kv_b_proj, UpProjection(a.w_uk_t, a.w_uv, heads, lora, c.qk_nope_head_dim, c.v_head_dim));
     TV_ASSIGN_OR_RETURN(a.o_proj, random.Projection(hidden, heads * c.v_head_dim));
     layer.is_moe = c.is_moe_layer(l);
     if (!layer.is_moe) {

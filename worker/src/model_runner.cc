@@ -97,10 +97,23 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
     return absl::InvalidArgumentError(
         absl::StrCat(nodes, " token ids but ", input.parents.size(), " parents"));
   }
+  // A chain may be longer than a tree (segment_tree.h): its depths are its indices.
+  const bool chain = SegmentTree::IsChain(input.parents);
+  if (chain && nodes > kMaxChainRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a chain holds at most ", kMaxChainRows, " nodes per step, got ", nodes));
+  }
   std::optional<SegmentTree> tree;
-  if (nodes > 0) {
+  if (nodes > 0 && !chain) {
+    if (nodes > kernels::kMaxSegmentRows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a segment of ", nodes,
+                       " nodes must be a chain (parents -1, 0, 1, ...); a tree holds at ", "most ",
+                       kernels::kMaxSegmentRows));
+    }
     TV_ASSIGN_OR_RETURN(tree, SegmentTree::Build(input.parents));
   }
+  auto depth = [&](int64_t i) { return chain ? static_cast<int32_t>(i) : tree->depth[i]; };
   const int64_t vocab = weights_->config.vocab_size;
   for (int64_t i = 0; i < nodes; ++i) {
     if (input.token_ids[i] < 0 || input.token_ids[i] >= vocab) {
@@ -145,7 +158,7 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
   // Positions must stay inside the model's context: RoPE and the cache are sized by it.
   const int64_t committed_after = kv_cache_->committed_length(id) + commit_count;
   int64_t deepest = -1;
-  for (int64_t i = 0; i < nodes; ++i) deepest = std::max<int64_t>(deepest, tree->depth[i]);
+  for (int64_t i = 0; i < nodes; ++i) deepest = std::max<int64_t>(deepest, depth(i));
   if (nodes > 0 && committed_after + deepest >= weights_->config.max_position_embeddings) {
     return absl::OutOfRangeError(absl::StrFormat(
         "sequence %#x: nodes up to position %d, but the model's context ends at %d", id,
@@ -167,15 +180,32 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
   const std::vector<int64_t> slots = kv_cache_->SegmentSlots(id);
   for (int64_t i = 0; i < nodes; ++i) {
     batch.token_ids.push_back(input.token_ids[i]);
-    batch.positions.push_back(committed + tree->depth[i]);
-    batch.sample_positions.push_back(int64_t{committed} + tree->depth[i] + 1);
+    batch.positions.push_back(committed + depth(i));
+    batch.sample_positions.push_back(int64_t{committed} + depth(i) + 1);
     batch.slots.push_back(slots[i]);
   }
-  batch.ancestor_mask.insert(batch.ancestor_mask.end(), tree->ancestor_mask.begin(),
-                             tree->ancestor_mask.end());
-  batch.row_offsets.push_back(static_cast<int32_t>(batch.rows()));
-  batch.committed_lengths.push_back(committed);
-  batch.sampling.push_back(input.sampling);
+  // The segment's sequences: a tree is one; a chain is pieces of at most kMaxSegmentRows rows
+  // (forward_backend.h), each masked as a chain of its own on top of the pieces before it.
+  for (int64_t first = 0; first < nodes; first += kernels::kMaxSegmentRows) {
+    const int32_t rows =
+        static_cast<int32_t>(std::min<int64_t>(kernels::kMaxSegmentRows, nodes - first));
+    if (chain) {
+      if (chain_masks_[rows].empty()) {
+        TV_ASSIGN_OR_RETURN(SegmentTree piece, SegmentTree::Build(SegmentTree::ChainParents(rows)));
+        chain_masks_[rows] = std::move(piece.ancestor_mask);
+      }
+      batch.ancestor_mask.insert(batch.ancestor_mask.end(), chain_masks_[rows].begin(),
+                                 chain_masks_[rows].end());
+    } else {
+      batch.ancestor_mask.insert(batch.ancestor_mask.end(), tree->ancestor_mask.begin(),
+                                 tree->ancestor_mask.end());
+    }
+    batch.row_offsets.push_back(static_cast<int32_t>(batch.row_offsets.back() + rows));
+    batch.committed_lengths.push_back(committed + static_cast<int32_t>(first));
+    batch.sampling.push_back(input.sampling);
+    batch.chain.push_back(chain);
+    batch.continues_chain.push_back(first > 0);
+  }
   for (int32_t layer : input.hidden_state_layers) batch.capture_layer[layer] = true;
   return absl::OkStatus();
 }
@@ -202,7 +232,9 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
                               absl::StrFormat("sequence %#x appears more than once in one forward",
                                               request.segments[i].sequence_id))
                         : PrepareSegment(request.segments[i], output, batch);
-    if (output.status.ok() && batch.rows() > rows_before) segment_of_sequence.push_back(i);
+    if (output.status.ok() && batch.rows() > rows_before) {
+      segment_of_sequence.resize(batch.sequences(), i);  // a long chain adds several
+    }
   }
   // Every rank sees the same request and cache state, so every rank reaches this point with the
   // same batch and makes the same collective calls.
@@ -226,21 +258,26 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   return result;
 }
 
-// Hands each sequence its rows of the outputs.
+// Hands each segment its rows of the outputs: those of its sequences (one, or a long chain's
+// pieces), which are consecutive.
 void ModelRunner::Distribute(const ForwardRequest& request,
                              const std::vector<size_t>& segment_of_sequence,
                              const BatchInputs& batch, ForwardOutputs& outputs,
                              ForwardResult& result) const {
   const int64_t hidden_size = weights_->config.hidden_size;
   const int64_t vocab_shard = weights_->plan.vocab.size();
-  for (int32_t s = 0; s < batch.sequences(); ++s) {
-    const size_t segment = segment_of_sequence[s];
+  for (int32_t first = 0, last = 0; first < batch.sequences(); first = last) {
+    const size_t segment = segment_of_sequence[first];
+    while (last < batch.sequences() && segment_of_sequence[last] == segment) ++last;
     const SegmentInput& input = request.segments[segment];
     SegmentOutput& output = result.segments[segment];
-    const int64_t begin = batch.row_offsets[s];
-    const int64_t end = batch.row_offsets[s + 1];
+    const int64_t begin = batch.row_offsets[first];
+    const int64_t end = batch.row_offsets[last];
     output.summaries.assign(outputs.summaries.begin() + begin, outputs.summaries.begin() + end);
-    output.candidates = std::move(outputs.candidates[s]);
+    for (int32_t s = first; s < last; ++s) {
+      output.candidates.insert(output.candidates.end(), outputs.candidates[s].begin(),
+                               outputs.candidates[s].end());
+    }
     if (request.return_logits) {
       output.logits.assign(outputs.logits.begin() + begin * vocab_shard,
                            outputs.logits.begin() + end * vocab_shard);

@@ -46,4 +46,13 @@ std::vector<int32_t> SegmentTree::ChainParents(int32_t n) {
   for (int32_t i = 0; i < n; ++i) parents[i] = i - 1;
   return parents;
 }
+
+bool SegmentTree::IsChain(absl::Span<const int32_t> parents) {
+  if (parents.empty()) return false;
+  for (size_t i = 0; i < parents.size(); ++i) {
+    if (parents[i] != static_cast<int32_t>(i) - 1) return false;
+  }
+  return true;
+}
+
 }  // namespace treeverify::worker

@@ -36,7 +36,7 @@ struct VerifyEngineOptions {
   // bf16 hidden states one step may ask for, and one Forward's answer from rank 0 may carry
   // (kept below the gRPC message limit, 64 MiB by default).
   int64_t max_hidden_state_bytes = int64_t{32} << 20;
-  int32_t prefill_chunk = 256;  // rows per prefill forward, at most kMaxSegmentRows
+  int32_t prefill_chunk = 256;  // rows per prefill forward, at most worker::kMaxChainRows
   absl::Duration rank_timeout = absl::Seconds(60);
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are expired
   SessionManagerOptions sessions;

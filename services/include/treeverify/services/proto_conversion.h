@@ -31,6 +31,7 @@
 #include "treeverify/v1/verifier.pb.h"
 #include "treeverify/v1/worker.pb.h"
 #include "treeverify/worker/model_runner.h"
+#include "treeverify/worker/segment_tree.h"
 
 namespace treeverify::services {
 
@@ -49,7 +50,8 @@ absl::StatusOr<std::vector<float>> DecodeBf16(absl::string_view bytes, int64_t e
 // Bounds a rank enforces on a ForwardRequest.
 struct ForwardLimits {
   int64_t num_layers = 0;  // hidden_state_layers must lie in [0, num_layers]
-  int32_t max_segment_rows = kernels::kMaxSegmentRows;
+  // Rows of any segment (a chain's bound; the runner holds trees to kMaxSegmentRows).
+  int32_t max_segment_rows = worker::kMaxChainRows;
   int32_t max_candidates = kernels::kMaxSummaryCandidates;
   int64_t max_sequences = 65536;
   float max_temperature = 100.0f;

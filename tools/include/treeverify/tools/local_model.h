@@ -26,7 +26,7 @@ struct LocalModelOptions {
   worker::ExpertSharding expert_sharding = worker::ExpertSharding::kSplitInside;
   int32_t kv_page_size = 64;
   int64_t kv_pages = 1024;
-  int32_t prefill_chunk = 256;             // rows per prefill forward (at most kMaxSegmentRows)
+  int32_t prefill_chunk = 256;  // rows per prefill forward (at most worker::kMaxChainRows)
   worker::ForwardFactory forward_factory;  // every rank's backend; empty: the CPU's
   // Every rank's communicator, made in that rank's thread (all ranks at once, as NCCL needs);
   // empty: an in-process group. The model owns what it returns.

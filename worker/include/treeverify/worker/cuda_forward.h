@@ -13,7 +13,10 @@
 // eager steps). A failed step at W > 1 leaves the ranks out of step: every later Run is
 // UNAVAILABLE until the group re-forms (a new communicator, a new backend).
 //
-// Still to come (issue 5): prefill in the MHA form.
+// Prefill: a step whose sequences are all chains (prompt chunks, long ones in pieces, see
+// BatchInputs) with at least kMinPrefillRows rows in all takes the MHA form (docs/gpu-worker.md,
+// "Prefill"): per layer and chain the context's latent rows are gathered and up-projected
+// through kv_b_proj, and a flash-attention kernel attends causally. Eager, never from a graph.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -111,6 +114,22 @@ class CudaForward final : public ForwardBackend {
   // 8, 12, 16, 24, 32, ... 384, 512 (two buckets an octave), then multiples of 256: at most a
   // third of the rows are padding (at most 255 past 512).
   static int64_t RowBucket(int64_t rows);
+  // A chain the prefill path attends as one: rows [row_begin, row_begin + rows) of the batch
+  // (its pieces joined), keys = its committed prefix + rows, its page table the first piece's.
+  struct PrefillChain {
+    int32_t row_begin = 0;
+    int32_t rows = 0;
+    int32_t keys = 0;
+    int32_t sequence = 0;
+  };
+  // Steps of fewer rows keep the absorbed form: per key of context the MHA form re-reads and
+  // up-projects the latent once per step, which pays only for enough rows (the FLOP table in
+  // docs/gpu-worker-plan.md puts the break-even near 170).
+  static constexpr int64_t kMinPrefillRows = 256;
+  // Keys per up-projection GEMM: the GEMMs' shapes (and cuBLASLt plans) stay few whatever the
+  // context, each block's rows rounded up to kPrefillKeyAlign.
+  static constexpr int64_t kPrefillKeyBlock = 4096;
+  static constexpr int64_t kPrefillKeyAlign = 256;
   struct Graph {
     bool seen = false;  // run eagerly once (plans made, buffers sized)
     int64_t epoch = 0;  // buffers_epoch_ when seen or captured
@@ -150,6 +169,8 @@ class CudaForward final : public ForwardBackend {
   absl::Status Synchronize();
   absl::Status Reserve(int64_t rows);
   static StepLayout LayoutOf(const BatchInputs& batch);
+  // The batch's chains when the step takes the prefill path, else empty.
+  std::vector<PrefillChain> PrefillChainsOf(const BatchInputs& batch) const;
   absl::Status Upload(const BatchInputs& batch, const StepLayout& layout);
   // The step's device work, embedding to LM head; hidden states of the layers `capture` marks
   // copied out as it goes (eager only).
@@ -158,7 +179,19 @@ class CudaForward final : public ForwardBackend {
   absl::Status RunGraph(const StepLayout& layout);
   // The per-node summaries (and candidates, and logits on request) into outputs.
   absl::Status Summarize(const BatchInputs& batch, ForwardOutputs& outputs);
+  // Both forms: the queries (a.q), the new rows' KV into the cache, the attention into
+  // a.values, then o_proj into a.branch.
   absl::Status Attention(int64_t layer, const StepLayout& layout);
+  // This rank's attention sizes: heads, qk_nope, qk_rope, qk (their sum), kv_lora, the cache
+  // row (kv_lora + rope) and v.
+  struct AttentionDims {
+    int64_t heads, nope, rope, qk, lora, row_dim, v;
+  };
+  AttentionDims attention_dims() const;
+  absl::Status ProjectQueries(const DeviceAttentionWeights& w, int64_t rows);
+  absl::Status AppendNewRows(int64_t layer, int64_t rows);
+  absl::Status AbsorbedAttention(int64_t layer, const StepLayout& layout);
+  absl::Status PrefillAttention(int64_t layer, const StepLayout& layout);
   absl::Status Mlp(int64_t layer, int64_t rows);
   // out = down(silu(gate . x) * (up . x)) of the normed rows.
   absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out);
@@ -193,6 +226,9 @@ class CudaForward final : public ForwardBackend {
   // (sequences, most rows of one sequence, row capacity) -> plan.
   std::map<std::tuple<int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
   DeviceArray<uint8_t> mla_workspace_;
+  std::vector<PrefillChain> prefill_chains_;  // this step's, when it takes the prefill path
+  DeviceArray<Bf16> prefill_latent_;          // [keys, kv_row_dim] a chain's gathered context
+  DeviceArray<Bf16> prefill_kv_up_;           // [keys, heads, nope + v] its up-projection
   float rope_attention_factor_ = 1.0f;
   float softmax_scale_ = 1.0f;
 

@@ -33,7 +33,10 @@ struct DeviceAttentionWeights {
   DeviceArray<Bf16> kv_a_norm;  // [kv_lora_rank]
   DeviceArray<Bf16> w_uk_t;     // [local_heads, kv_lora_rank, qk_nope_head_dim]
   DeviceArray<Bf16> w_uv;       // [local_heads, v_head_dim, kv_lora_rank]
-  DeviceArray<Bf16> o_proj;     // [hidden, local_heads * v_head_dim]
+  // The same two as the checkpoint's kv_b_proj: [local_heads, nope + v, kv_lora_rank], each
+  // head's k_nope rows (W_UK) then its v rows (W_UV); the prefill path's up-projection.
+  DeviceArray<Bf16> kv_b_proj;
+  DeviceArray<Bf16> o_proj;  // [hidden, local_heads * v_head_dim]
 };
 
 struct DeviceMoeWeights {

@@ -49,6 +49,13 @@ struct BatchInputs {
   std::vector<int32_t> page_table;         // [sequences, max_pages], padded with page 0
   int32_t max_pages = 0;
   std::vector<SegmentSampling> sampling;  // [sequences]
+  // A chain longer than kernels::kMaxSegmentRows (up to kMaxChainRows: a prefill chunk) enters
+  // the batch as consecutive sequences of at most that many rows, its pieces. Piece k's committed
+  // length counts the rows of the pieces before it, whose KV each layer appends before it
+  // attends, so the tree attention takes a piece as it takes any sequence; a backend with a
+  // prefill path joins the pieces again.
+  std::vector<bool> chain;            // [sequences] the rows form a chain
+  std::vector<bool> continues_chain;  // [sequences] a second or later piece of one chain
   // capture_layer[l] for l in 0..num_hidden_layers: return layer l's hidden states (0 = the
   // embedding output after its all-reduce, l = decoder layer l - 1's output).
   std::vector<bool> capture_layer;

@@ -122,6 +122,8 @@ class ModelRunner {
   std::unique_ptr<ForwardBackend> backend_;
   // Parents of each sequence's uncommitted segment: a commit must follow one of its paths.
   absl::flat_hash_map<uint64_t, std::vector<int32_t>> segment_parents_;
+  // The ancestor masks of chains of 1..kMaxSegmentRows rows (a long chain's pieces), as built.
+  absl::flat_hash_map<int32_t, std::vector<uint64_t>> chain_masks_;
 };
 
 }  // namespace treeverify::worker

@@ -2,6 +2,9 @@
 // nodes) or a chain (a prefill chunk). parents[i] is an earlier node, or -1 when node i hangs
 // directly on the committed prefix.
 //
+// A tree holds at most kernels::kMaxSegmentRows nodes (the width of its ancestor masks); a chain
+// up to kMaxChainRows, since it needs no mask (each node sees every node before it).
+//
 //   TV_ASSIGN_OR_RETURN(SegmentTree tree, SegmentTree::Build(parents));
 //   position of node i = committed_length + tree.depth[i]
 #pragma once
@@ -15,6 +18,10 @@
 
 namespace treeverify::worker {
 
+// The longest chain one step takes: a prefill chunk. The GPU's prefill path (the MHA form) pays
+// for re-reading the context once per chunk, so long chunks are what make it worthwhile.
+inline constexpr int32_t kMaxChainRows = 8192;
+
 struct SegmentTree {
   std::vector<int32_t> depth;           // [nodes] 0 for nodes on the prefix
   std::vector<uint64_t> ancestor_mask;  // [nodes, kernels::kAncestorMaskWords] ancestors + self
@@ -24,6 +31,8 @@ struct SegmentTree {
   static absl::StatusOr<SegmentTree> Build(absl::Span<const int32_t> parents);
   // A chain of n nodes: parents -1, 0, 1, ..., n-2.
   static std::vector<int32_t> ChainParents(int32_t n);
+  // Whether parents are -1, 0, 1, ..., n-2 (n >= 1).
+  static bool IsChain(absl::Span<const int32_t> parents);
   // Nodes 0, 1, ..., n-1: committing them keeps a whole chain.
   static std::vector<int32_t> AllNodes(int64_t n);
 };

@@ -42,6 +42,9 @@ struct StepAccount {
   int64_t rows = 0;                    // tree nodes in the step
   int64_t padded_rows = 0;             // rows the device ran: up to the step layout's bucket
   StepLaunch launch = StepLaunch::kEager;
+  // The attention took the prefill path (the MHA form, cuda_forward.h): compute bound, so its
+  // bytes are a floor far below its time.
+  bool prefill = false;
   std::vector<int32_t> active_experts;  // per layer (0 for dense layers)
 
   const PhaseAccount& phase(StepPhase p) const { return phases[static_cast<int>(p)]; }
