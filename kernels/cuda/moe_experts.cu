@@ -4,11 +4,16 @@
 // bytes each (11 MB per Kimi-K2 expert slice under TP8 split inside, 88 MB per whole expert),
 // read once per pass of up to 8 tokens; activations are a rounding error beside them. The expert
 // kernels: moe_expert_mma_kernel.cuh (tensor cores), moe_expert_simt_kernel.cuh (CUDA cores).
+// At prefill sizes (kGemmMinTokens and more) the projections are compute: a grouped GEMM
+// (moe_expert_gemm_kernel.cuh) reads each expert's weights once per 64 of its tokens. The
+// grouping: moe_grouping.cuh.
 #include <algorithm>
 
 #include "element_convert.cuh"
+#include "moe_expert_gemm_kernel.cuh"
 #include "moe_expert_mma_kernel.cuh"
 #include "moe_expert_simt_kernel.cuh"
+#include "moe_grouping.cuh"
 #include "moe_workspace.cuh"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
@@ -18,102 +23,19 @@ namespace {
 
 using moe::Carve;
 using moe::DownKernel;
+using moe::ExpertGemmKernel;
 using moe::ExpertMmaKernel;
 using moe::GateUpKernel;
+using moe::GroupKernel;
 using moe::kGroupThreads;
 using moe::kThreads;
 using moe::kWarps;
 using moe::Workspace;
 
-// Exclusive prefix sums of two per-thread values over the block, in thread order.
-__device__ void BlockExclusiveScan2(int32_t& a, int32_t& b, int32_t& total_a, int32_t& total_b) {
-  __shared__ int32_t warp_a[kGroupThreads / 32], warp_b[kGroupThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int32_t inclusive_a = a, inclusive_b = b;
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const int32_t up_a = __shfl_up_sync(0xffffffffu, inclusive_a, offset);
-    const int32_t up_b = __shfl_up_sync(0xffffffffu, inclusive_b, offset);
-    if (lane >= offset) {
-      inclusive_a += up_a;
-      inclusive_b += up_b;
-    }
-  }
-  if (lane == 31) {
-    warp_a[warp] = inclusive_a;
-    warp_b[warp] = inclusive_b;
-  }
-  __syncthreads();
-  int32_t before_a = 0, before_b = 0;
-  total_a = 0;
-  total_b = 0;
-  for (int w = 0; w < kGroupThreads / 32; ++w) {
-    if (w < warp) {
-      before_a += warp_a[w];
-      before_b += warp_b[w];
-    }
-    total_a += warp_a[w];
-    total_b += warp_b[w];
-  }
-  a = before_a + inclusive_a - a;
-  b = before_b + inclusive_b - b;
-}
-
-// One block. The routing's ids are first copied to shared memory (when they fit: a verify step's
-// always do), then thread t owns local experts [t * per_thread, (t + 1) * per_thread): it counts
-// their pairs, the block scans the counts (offsets) and the active flags (the active list), and
-// it writes their pairs in token order.
-constexpr int64_t kStagedEntries = 8192;  // 32 KB of shared memory
-
-__global__ void __launch_bounds__(kGroupThreads)
-    GroupKernel(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
-                int32_t first_expert, int32_t num_local, Workspace w, int32_t* active_count) {
-  extern __shared__ int32_t staged[];  // [entries] local expert ids, when they fit
-  const int64_t entries = tokens * top_k;
-  const bool stage = entries <= kStagedEntries;
-  if (stage) {
-    for (int64_t i = threadIdx.x; i < entries; i += kGroupThreads) {
-      staged[i] = topk_ids[i] - first_expert;
-    }
-  }
-  __syncthreads();
-  const int32_t per_thread = (num_local + kGroupThreads - 1) / kGroupThreads;
-  const int32_t begin = min(num_local, static_cast<int32_t>(threadIdx.x) * per_thread);
-  const int32_t end = min(num_local, begin + per_thread);
-  // The loops read either the staged ids or global memory, never a choice per element: a select
-  // per element kept the compiler from pipelining the loads (18 us at 128 entries, step 83).
-  const int32_t n = static_cast<int32_t>(entries);
-  int32_t pairs = 0, active = 0;
-  for (int32_t e = begin; e < end; ++e) {
-    int32_t count = 0;
-    if (stage) {
-#pragma unroll 8
-      for (int32_t i = 0; i < n; ++i) count += staged[i] == e;
-    } else {
-      for (int32_t i = 0; i < n; ++i) count += topk_ids[i] - first_expert == e;
-    }
-    pairs += count;
-    active += count > 0;
-  }
-  int32_t total_pairs, total_active;
-  BlockExclusiveScan2(pairs, active, total_pairs, total_active);
-  for (int32_t e = begin; e < end; ++e) {
-    w.offsets[e] = pairs;
-    const int32_t first_pair = pairs;
-    for (int32_t i = 0; i < n; ++i) {
-      const int32_t local = stage ? staged[i] : topk_ids[i] - first_expert;
-      if (local != e) continue;
-      w.pair_token[pairs] = i / top_k;
-      w.pair_entry[pairs] = i;
-      ++pairs;
-    }
-    if (pairs > first_pair) w.active[active++] = e;
-  }
-  if (threadIdx.x == 0) {
-    w.offsets[num_local] = total_pairs;
-    *w.num_active = total_active;
-    if (active_count != nullptr) *active_count = total_active;
-  }
-}
+// From this many tokens the expert projections run as a grouped GEMM (a prefill chunk's batch);
+// below, as weight streams (a verify step's). At 512 tokens of Kimi-K2's top-8 of 384 experts an
+// expert has ~11 tokens: two passes of the streaming kernels, one 64-pair tile here.
+constexpr int64_t kGemmMinTokens = 512;
 
 // out[t] = sum over the token's local experts, ascending id, of weight * output; then + shared.
 // Block (token, 256 hidden dims): every thread's top_k loads are independent.
@@ -179,16 +101,59 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t entries = p.tokens * p.top_k;
   // Padded by 16 bytes: the compiler's vector loads of the staged ids may read up to three past
   // the last one (memcheck saw a 12-byte read there, step 79); those values are never used.
-  const size_t staged_bytes = entries <= kStagedEntries ? (entries + 4) * sizeof(int32_t) : 0;
-  GroupKernel<<<1, kGroupThreads, staged_bytes, stream>>>(
-      p.topk_ids, p.tokens, p.top_k, p.first_expert, p.num_local_experts, w, active_count);
-  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (entries <= moe::kStagedEntries) {
+    const size_t staged_bytes = (entries + 4) * sizeof(int32_t);
+    GroupKernel<<<1, kGroupThreads, staged_bytes, stream>>>(
+        p.topk_ids, p.tokens, p.top_k, p.first_expert, p.num_local_experts, w, active_count);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else {
+    const int64_t chunks = moe::GroupChunks(entries);
+    const size_t histogram_bytes = p.num_local_experts * sizeof(int32_t);
+    const size_t warp_count_bytes = (moe::kGroupChunk / 32) * histogram_bytes;
+    if (warp_count_bytes > 48 * 1024 || chunks > 0x7fffffff) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda::MoeExperts: ", p.num_local_experts,
+                                                     " local experts (at most 1536 for ", entries,
+                                                     " entries)"));
+    }
+    moe::GroupChunksCount<<<static_cast<unsigned>(chunks), moe::kGroupChunk, histogram_bytes,
+                            stream>>>(p.topk_ids, entries, p.first_expert, p.num_local_experts, w);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    moe::GroupChunksScan<<<1, kGroupThreads, 0, stream>>>(static_cast<int32_t>(chunks),
+                                                          p.num_local_experts, w, active_count);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    moe::GroupChunksPlace<<<static_cast<unsigned>(chunks), moe::kGroupChunk, warp_count_bytes,
+                            stream>>>(p.topk_ids, entries, p.top_k, p.first_expert,
+                                      p.num_local_experts, w);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   // Tensor cores where both reductions come in 32-element chunks of aligned rows (every
   // production shape); the CUDA-core kernels otherwise.
   const bool mma_path = p.hidden % moe::kMmaChunk == 0 && p.intermediate % moe::kMmaChunk == 0 &&
                         reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
-  if (mma_path) {
+  // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
+  // per 64 of its tokens rather than per 8.
+  if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
+      reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
+    const int64_t max_tiles = moe::MaxGemmTiles(entries, p.num_local_experts);
+    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        ExpertGemmKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::kGemmSmemBytes));
+    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        ExpertGemmKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::kGemmSmemBytes));
+    const int64_t up_blocks = max_tiles * (p.intermediate / (moe::kGemmWeightRows / 2));
+    const int64_t down_blocks = max_tiles * (p.hidden / moe::kGemmWeightRows);
+    if (up_blocks > 0x7fffffff || down_blocks > 0x7fffffff) {
+      return absl::InvalidArgumentError("cuda::MoeExperts: too many tiles for one grid");
+    }
+    ExpertGemmKernel<true>
+        <<<static_cast<unsigned>(up_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
+            p, w, static_cast<int32_t>(max_tiles));
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    ExpertGemmKernel<false>
+        <<<static_cast<unsigned>(down_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
+            p, w, static_cast<int32_t>(max_tiles));
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else if (mma_path) {
     const int32_t up_split = moe::MmaSplit(p.hidden), down_split = moe::MmaSplit(p.intermediate);
     const int64_t up_tiles = (p.intermediate + moe::kMmaRows - 1) / moe::kMmaRows;
     const int64_t down_tiles = (p.hidden + moe::kMmaRows - 1) / moe::kMmaRows;

@@ -2,6 +2,7 @@
 // the expert kernels (tensor-core and CUDA-core paths) and the combine (cuda/moe.h has the plan).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "treeverify/kernels/cuda/bf16.h"
@@ -12,6 +13,17 @@ inline constexpr int kThreads = 256;
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kTokensPerPass = 8;
 inline constexpr int kGroupThreads = 1024;
+inline constexpr int kGemmPairs = 64;  // grouped pairs per tile of the grouped GEMM
+
+inline constexpr int kGroupChunkEntries = 256;  // entries per block of the chunked grouping
+inline int64_t GroupChunks(int64_t entries) {
+  return (entries + kGroupChunkEntries - 1) / kGroupChunkEntries;
+}
+
+// Tiles of kGemmPairs pairs of one expert: at most one partial tile per expert with pairs.
+inline int64_t MaxGemmTiles(int64_t pairs, int32_t num_local) {
+  return (pairs + kGemmPairs - 1) / kGemmPairs + std::min<int64_t>(num_local, pairs);
+}
 
 inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -22,8 +34,13 @@ struct Workspace {
   int32_t* offsets;     // [num_local + 1] each local expert's pairs
   int32_t* pair_token;  // [tokens * top_k] grouped by expert, token order within
   int32_t* pair_entry;  // [tokens * top_k] token * top_k + slot of each grouped pair
-  Bf16* activated;      // [tokens * top_k, intermediate] by grouped pair
-  float* expert_out;    // [tokens * top_k, hidden] by entry (token * top_k + slot)
+  // [num_local, GroupChunks(tokens * top_k)]: the chunked grouping's counts, then positions.
+  int32_t* chunk_counts;
+  int32_t* num_tiles;    // [1] the grouped GEMM's tiles (moe_expert_gemm_kernel.cuh)
+  int32_t* tile_expert;  // [MaxGemmTiles] each tile's local expert
+  int32_t* tile_pair;    // [MaxGemmTiles] each tile's first grouped pair
+  Bf16* activated;       // [tokens * top_k, intermediate] by grouped pair
+  float* expert_out;     // [tokens * top_k, hidden] by entry (token * top_k + slot)
   int64_t bytes;
 };
 
@@ -43,6 +60,12 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
   w.offsets = reinterpret_cast<int32_t*>(take((num_local + 1) * sizeof(int32_t)));
   w.pair_token = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
   w.pair_entry = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
+  w.chunk_counts =
+      reinterpret_cast<int32_t*>(take(num_local * GroupChunks(pairs) * sizeof(int32_t)));
+  const int64_t max_tiles = MaxGemmTiles(pairs, num_local);
+  w.num_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
+  w.tile_expert = reinterpret_cast<int32_t*>(take(max_tiles * sizeof(int32_t)));
+  w.tile_pair = reinterpret_cast<int32_t*>(take(max_tiles * sizeof(int32_t)));
   w.activated = reinterpret_cast<Bf16*>(take(pairs * intermediate * sizeof(Bf16)));
   w.expert_out = reinterpret_cast<float*>(take(pairs * hidden * sizeof(float)));
   w.bytes = offset;

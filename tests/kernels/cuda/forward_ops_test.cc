@@ -504,6 +504,15 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // More tokens per expert than one pass (8), odd sizes that take the scalar path.
            ExpertsCase{37, 76, 20, 2, 3, 0, 3, true},
            ExpertsCase{1, 7168, 256, 8, 64, 0, 64, false},
+           // Prefill sizes (512 tokens or more): the grouped GEMM, full and partial 64-pair
+           // tiles, in both shardings.
+           ExpertsCase{600, 256, 128, 4, 12, 0, 12, true},
+           ExpertsCase{700, 384, 192, 3, 12, 4, 6, false},
+           // More entries than the one-block grouping stages (8192): the chunked grouping, under
+           // the grouped GEMM and under the CUDA-core kernels.
+           ExpertsCase{2100, 128, 64, 4, 12, 0, 12, true},
+           ExpertsCase{2300, 256, 64, 4, 16, 4, 8, false},
+           ExpertsCase{2100, 76, 20, 4, 3, 0, 3, true},
        }) {
     SCOPED_TRACE(testing::Message() << c.tokens << " tokens, hidden " << c.hidden
                                     << ", intermediate " << c.intermediate);

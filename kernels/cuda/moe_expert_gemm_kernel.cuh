@@ -1,0 +1,176 @@
+// The MoE expert projections as a grouped GEMM, for batches with many tokens per expert (prefill
+// chunks): the weight-streaming kernels (moe_expert_mma_kernel.cuh) read an expert's weights once
+// per 8 tokens, right for a verify step's one or two tokens per expert and 11 times too often for
+// a 4096-token chunk's ~85. Here a block owns one tile of up to 64 grouped pairs of one expert and
+// 128 weight rows (gate/up: 64 columns of each), and walks the reduction in stages of 64 elements
+// (three cp.async stages, rows padded by 16 bytes so that ldmatrix is free of bank conflicts). Its
+// four warps split the tile 2 x 2: 32 pairs x 64 weight rows each, mma.sync m16n8k16.
+//
+// The tiles come from the grouping kernel (Workspace.tile_expert / tile_pair, device memory), and
+// the grid is sized by their upper bound, so any routing runs (and replays from a CUDA graph) with
+// the same launch; blocks past the step's tiles return at once. The reduction order within a tile
+// is fixed: results do not depend on scheduling.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "element_convert.cuh"
+#include "mma_sync_primitives.cuh"
+#include "moe_workspace.cuh"
+#include "treeverify/kernels/moe.h"
+
+namespace treeverify::kernels::cuda::moe {
+
+inline constexpr int kGemmThreads = 128;
+inline constexpr int kGemmK = 64;  // reduction elements per stage
+inline constexpr int kGemmStages = 3;
+inline constexpr int kGemmWeightRows = 128;            // per block: gate 64 + up 64, or down 128
+inline constexpr int kGemmRowBytes = kGemmK * 2 + 16;  // one staged row, padded
+inline constexpr int kGemmStageBytes = (kGemmPairs + kGemmWeightRows) * kGemmRowBytes;
+inline constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes;
+
+// Whether the grouped GEMM takes these shapes: whole stages of the reduction and whole tiles of
+// the outputs (every production shape; the weight-streaming kernels take the rest).
+inline bool GemmFits(int64_t hidden, int64_t intermediate) {
+  return hidden % kGemmWeightRows == 0 && intermediate % (kGemmWeightRows / 2) == 0;
+}
+
+// Queues stage `chunk` of the tile: its pairs' inputs (rows past the tile's pairs zero-filled)
+// and its weight rows.
+template <bool kGateUp>
+__device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf16>& p,
+                                              const Workspace& w, int32_t expert, int32_t first,
+                                              int pairs, int64_t weight_row0, int64_t chunk,
+                                              uint8_t* stage) {
+  const int64_t length = kGateUp ? p.hidden : p.intermediate;
+  const int64_t column = chunk * kGemmK;
+  for (int i = threadIdx.x; i < kGemmPairs * (kGemmK / 8); i += kGemmThreads) {
+    const int r = i / (kGemmK / 8), c = i % (kGemmK / 8);
+    const bool valid = r < pairs;
+    const int32_t pair = first + (valid ? r : 0);
+    const Bf16* row = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
+                              : w.activated + int64_t{pair} * p.intermediate;
+    mma::CpAsync16(stage + r * kGemmRowBytes + c * 16, row + column + c * 8, valid);
+  }
+  uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
+  for (int i = threadIdx.x; i < kGemmWeightRows * (kGemmK / 8); i += kGemmThreads) {
+    const int r = i / (kGemmK / 8), c = i % (kGemmK / 8);
+    const Bf16* matrix;
+    int64_t row;
+    if constexpr (kGateUp) {  // rows 0..63 gate, 64..127 up, of the same 64 columns
+      matrix = r < kGemmWeightRows / 2 ? p.gate_proj[expert] : p.up_proj[expert];
+      row = weight_row0 + r % (kGemmWeightRows / 2);
+    } else {
+      matrix = p.down_proj[expert];
+      row = weight_row0 + r;
+    }
+    mma::CpAsync16(weights + r * kGemmRowBytes + c * 16, matrix + row * length + column + c * 8,
+                   true);
+  }
+}
+
+// Block = (tile, column block): blockIdx.x = column_block * max_tiles + tile, so the tiles of one
+// expert (adjacent in the list) read the same weight rows at about the same time, through L2.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kGemmThreads)
+    ExpertGemmKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t max_tiles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int32_t tile = blockIdx.x % max_tiles;
+  if (tile >= *w.num_tiles) return;
+  const int64_t column_block = blockIdx.x / max_tiles;
+  const int32_t expert = w.tile_expert[tile];
+  const int32_t first = w.tile_pair[tile];
+  const int pairs = min(kGemmPairs, w.offsets[expert + 1] - first);
+  // Output columns of this block: 64 of gate/up (intermediate), or 128 of down (hidden).
+  const int64_t weight_row0 = column_block * (kGateUp ? kGemmWeightRows / 2 : kGemmWeightRows);
+  const int64_t stages = (kGateUp ? p.hidden : p.intermediate) / kGemmK;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int warp_m = warp / 2, warp_n = warp % 2;
+  // This warp's eight n8 tiles of weight rows: gate/up, 32 columns of each; down, 64 rows.
+  int b_row[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    b_row[j] = kGateUp ? (j < 4 ? 32 * warp_n + 8 * j : 64 + 32 * warp_n + 8 * (j - 4))
+                       : 64 * warp_n + 8 * j;
+  }
+  float acc[2][8][4] = {};
+
+#pragma unroll
+  for (int s = 0; s < kGemmStages - 1; ++s) {
+    if (s < stages) {
+      LoadGemmStage<kGateUp>(p, w, expert, first, pairs, weight_row0, s,
+                             smem + s * kGemmStageBytes);
+    }
+    mma::CpAsyncCommit();
+  }
+  for (int64_t chunk = 0; chunk < stages; ++chunk) {
+    mma::CpAsyncWait<kGemmStages - 2>();
+    __syncthreads();  // stage `chunk` has landed; every warp is done with the one reloaded next
+    const int64_t next = chunk + kGemmStages - 1;
+    if (next < stages) {
+      LoadGemmStage<kGateUp>(p, w, expert, first, pairs, weight_row0, next,
+                             smem + (next % kGemmStages) * kGemmStageBytes);
+    }
+    mma::CpAsyncCommit();
+    const uint8_t* a_stage = smem + (chunk % kGemmStages) * kGemmStageBytes;
+    const uint8_t* b_stage = a_stage + kGemmPairs * kGemmRowBytes;
+#pragma unroll
+    for (int k = 0; k < kGemmK / 16; k += 2) {
+      uint32_t a[2][2][4];  // [m16 tile][k-step]
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+          mma::LoadMatrices4(a[mi][ks], a_stage +
+                                            (32 * warp_m + 16 * mi + lane % 16) * kGemmRowBytes +
+                                            (k + ks) * 32 + (lane / 16) * 16);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b[4];  // k-step k: b[0], b[1]; k-step k + 1: b[2], b[3]
+        mma::LoadMatrices4(
+            b, b_stage + (b_row[j] + lane % 8) * kGemmRowBytes + (lane / 8) * 16 + k * 32);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma::MmaBf16(acc[mi][j], a[mi][0], b[0], b[1]);
+          mma::MmaBf16(acc[mi][j], a[mi][1], b[2], b[3]);
+        }
+      }
+    }
+  }
+  mma::CpAsyncWait<0>();
+
+  // Accumulator i of (mi, j): pair 32 warp_m + 16 mi + g (+ 8 for i >= 2), weight row
+  // b_row[j] + 2t + (i & 1).
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 32 * warp_m + 16 * mi + g + (i >= 2 ? 8 : 0);
+      if (r >= pairs) continue;
+      if constexpr (kGateUp) {
+        Bf16* out = w.activated + int64_t{first + r} * p.intermediate + weight_row0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
+          const float gate = acc[mi][j][i];
+          const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
+          out[b_row[j] + 2 * t + (i & 1)] = FromFloat<Bf16>(__fmul_rn(silu, acc[mi][j + 4][i]));
+        }
+      } else {
+        float* out = w.expert_out + int64_t{w.pair_entry[first + r]} * p.hidden + weight_row0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[b_row[j] + 2 * t + (i & 1)] = acc[mi][j][i];
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace treeverify::kernels::cuda::moe
