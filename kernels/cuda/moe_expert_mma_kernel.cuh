@@ -77,28 +77,35 @@ __device__ __forceinline__ void MmaRows(const __nv_bfloat16* const (&rows_g)[kMa
 // rows of one active expert. The block's warps form groups of `split` warps that share one tile
 // and split its reduction (long rows: the hidden dim); short rows (256 columns under split
 // inside) take split 1, a tile per warp. A work item is (active expert, kMmaWarps / split tiles).
+// With block_parts > 1 (gate/up only, GateUpParts), the reduction is further split across
+// blocks: an item is (active expert, tiles, block part), and each block writes its part's sums
+// to w.gate_up_parts for FinishGateUp.
 template <bool kGateUp, int kUnroll>
 __global__ void __launch_bounds__(kMmaThreads)
     ExpertMmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t split,
-                    int32_t item_tiles) {
+                    int32_t item_tiles, int32_t block_parts) {
   constexpr int kMatrices = kGateUp ? 2 : 1;
   __shared__ float partial[kMmaWarps][kMatrices][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int part = warp % split;  // which share of the reduction
+  const int part = warp % split;  // which share of the block's reduction
   const int tile_in_item = warp / split;
   const int64_t length = kGateUp ? p.hidden : p.intermediate;  // the reduction
   const int64_t rows_total = kGateUp ? p.intermediate : p.hidden;
   const int64_t chunks = length / kMmaChunk;
-  const int64_t per_part = (chunks + split - 1) / split;
-  const int64_t begin = min(chunks, part * per_part);
-  const int64_t end = min(chunks, begin + per_part);
+  const int64_t per_block_part = (chunks + block_parts - 1) / block_parts;
+  const int64_t per_part = (per_block_part + split - 1) / split;
   const int64_t tiles = (rows_total + kMmaRows - 1) / kMmaRows;
-  const int64_t items_per_expert = (tiles + item_tiles - 1) / item_tiles;
+  const int64_t items_per_expert = (tiles + item_tiles - 1) / item_tiles * block_parts;
   const int64_t items = int64_t{*w.num_active} * items_per_expert;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int32_t expert = w.active[item / items_per_expert];
-    const int64_t row0 = ((item % items_per_expert) * item_tiles + tile_in_item) * kMmaRows;
+    const int64_t block_part = item % block_parts;
+    const int64_t part_end = min(chunks, (block_part + 1) * per_block_part);
+    const int64_t begin = min(part_end, block_part * per_block_part + part * per_part);
+    const int64_t end = min(part_end, begin + per_part);
+    const int64_t row0 =
+        ((item % items_per_expert) / block_parts * item_tiles + tile_in_item) * kMmaRows;
     const int32_t first_pair = w.offsets[expert], end_pair = w.offsets[expert + 1];
     // Rows past the last repeat it (their results are not stored).
     const int64_t row_g = min(row0 + g, rows_total - 1);
@@ -152,6 +159,13 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int token = 2 * t + (i & 1);
           if (row >= rows_total || token >= count) continue;
           if constexpr (kGateUp) {
+            if (block_parts > 1) {
+              float* sums = w.gate_up_parts +
+                            ((block_part * p.tokens * p.top_k + pass + token) * 2) * p.intermediate;
+              sums[row] = acc[0][i];
+              sums[p.intermediate + row] = acc[1][i];
+              continue;
+            }
             // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
             const float gate = acc[0][i];
             const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
@@ -165,6 +179,23 @@ __global__ void __launch_bounds__(kMmaThreads)
       if (split > 1) __syncthreads();  // partial is reused
     }
   }
+}
+
+// activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
+// (grouped pair, row); pairs past the step's count return.
+__global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
+  const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int64_t pair = index / p.intermediate, row = index % p.intermediate;
+  if (pair >= w.offsets[p.num_local_experts]) return;
+  const int64_t stride = p.tokens * p.top_k * 2 * p.intermediate;
+  const float* sums = w.gate_up_parts + pair * 2 * p.intermediate + row;
+  float gate = sums[0], up = sums[p.intermediate];
+  for (int32_t part = 1; part < block_parts; ++part) {
+    gate = __fadd_rn(gate, sums[part * stride]);
+    up = __fadd_rn(up, sums[part * stride + p.intermediate]);
+  }
+  const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
+  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(__fmul_rn(silu, up));
 }
 
 // Warps sharing a tile's reduction: enough that each still streams at least 8 chunks (16 KB of

@@ -154,18 +154,27 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
             p, w, static_cast<int32_t>(max_tiles));
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (mma_path) {
-    const int32_t up_split = moe::MmaSplit(p.hidden), down_split = moe::MmaSplit(p.intermediate);
+    const int32_t parts = moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden);
+    const int32_t up_split = moe::MmaSplit(p.hidden / parts);
+    const int32_t down_split = moe::MmaSplit(p.intermediate);
     const int64_t up_tiles = (p.intermediate + moe::kMmaRows - 1) / moe::kMmaRows;
     const int64_t down_tiles = (p.hidden + moe::kMmaRows - 1) / moe::kMmaRows;
     const int32_t up_item_tiles = moe::kMmaWarps / up_split;
     const int32_t down_item_tiles = moe::kMmaWarps / down_split;
-    const int64_t up_items = most_active * ((up_tiles + up_item_tiles - 1) / up_item_tiles);
+    const int64_t up_items = most_active * ((up_tiles + up_item_tiles - 1) / up_item_tiles) * parts;
     const int64_t down_items = most_active * ((down_tiles + down_item_tiles - 1) / down_item_tiles);
     ExpertMmaKernel<true, 4><<<static_cast<unsigned>(std::min<int64_t>(max_blocks, up_items)),
-                               moe::kMmaThreads, 0, stream>>>(p, w, up_split, up_item_tiles);
+                               moe::kMmaThreads, 0, stream>>>(p, w, up_split, up_item_tiles, parts);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    ExpertMmaKernel<false, 4><<<static_cast<unsigned>(std::min<int64_t>(max_blocks, down_items)),
-                                moe::kMmaThreads, 0, stream>>>(p, w, down_split, down_item_tiles);
+    if (parts > 1) {
+      const int64_t values = entries * p.intermediate;
+      moe::FinishGateUp<<<static_cast<unsigned>((values + 255) / 256), 256, 0, stream>>>(p, w,
+                                                                                         parts);
+      TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    ExpertMmaKernel<false, 4>
+        <<<static_cast<unsigned>(std::min<int64_t>(max_blocks, down_items)), moe::kMmaThreads, 0,
+           stream>>>(p, w, down_split, down_item_tiles, 1);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else {
     const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);

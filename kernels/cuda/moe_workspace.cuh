@@ -27,6 +27,15 @@ inline int64_t MaxGemmTiles(int64_t pairs, int32_t num_local) {
 
 inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// Blocks that share one gate/up tile's reduction (the weight-streaming kernel), each writing its
+// partial sums for FinishGateUp to add in part order. A verify step under split inside has few
+// active experts of few rows (16-row tiles of 256 columns): one block per tile left most of the
+// machine idle in a second wave (bench/NOTES.md, step 87). Long reductions and few pairs only,
+// so the partials stay small.
+inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
+  return hidden >= 4096 && intermediate <= 512 && tokens * top_k <= 4096 ? 4 : 1;
+}
+
 // Where the workspace's pieces are.
 struct Workspace {
   int32_t* num_active;  // [1]
@@ -39,6 +48,7 @@ struct Workspace {
   int32_t* num_tiles;    // [1] the grouped GEMM's tiles (moe_expert_gemm_kernel.cuh)
   int32_t* tile_expert;  // [MaxGemmTiles] each tile's local expert
   int32_t* tile_pair;    // [MaxGemmTiles] each tile's first grouped pair
+  float* gate_up_parts;  // [GateUpParts, tokens * top_k, 2, intermediate] when parts > 1
   Bf16* activated;       // [tokens * top_k, intermediate] by grouped pair
   float* expert_out;     // [tokens * top_k, hidden] by entry (token * top_k + slot)
   int64_t bytes;
@@ -66,6 +76,9 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
   w.num_tiles = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   w.tile_expert = reinterpret_cast<int32_t*>(take(max_tiles * sizeof(int32_t)));
   w.tile_pair = reinterpret_cast<int32_t*>(take(max_tiles * sizeof(int32_t)));
+  const int32_t parts = GateUpParts(tokens, top_k, intermediate, hidden);
+  w.gate_up_parts = reinterpret_cast<float*>(
+      take(parts > 1 ? parts * pairs * 2 * intermediate * int64_t{sizeof(float)} : 0));
   w.activated = reinterpret_cast<Bf16*>(take(pairs * intermediate * sizeof(Bf16)));
   w.expert_out = reinterpret_cast<float*>(take(pairs * hidden * sizeof(float)));
   w.bytes = offset;

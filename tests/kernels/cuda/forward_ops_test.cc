@@ -504,6 +504,9 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // More tokens per expert than one pass (8), odd sizes that take the scalar path.
            ExpertsCase{37, 76, 20, 2, 3, 0, 3, true},
            ExpertsCase{1, 7168, 256, 8, 64, 0, 64, false},
+           // A verify step's shape under split inside: gate/up's reduction split across blocks
+           // (GateUpParts), several tokens per expert.
+           ExpertsCase{16, 7168, 256, 8, 64, 0, 64, true},
            // Prefill sizes (512 tokens or more): the grouped GEMM, full and partial 64-pair
            // tiles, in both shardings.
            ExpertsCase{600, 256, 128, 4, 12, 0, 12, true},
