@@ -9,6 +9,7 @@
 #include "treeverify/kernels/cuda/copy_bandwidth.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/embedding.h"
+#include "treeverify/kernels/cuda/global_timer.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/mha_prefill_attention.h"
@@ -108,10 +109,14 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
   // and a failed Create leaves the stream to the caller.
   double copy_bytes_per_second = 0.0;
   DeviceArray<int32_t> active_experts;
+  DeviceArray<uint64_t> stamps;
   if (options.account_steps) {
     TV_ASSIGN_OR_RETURN(copy_bytes_per_second,
                         cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream));
     TV_ASSIGN_OR_RETURN(active_experts, DeviceArray<int32_t>::Allocate(c.num_hidden_layers));
+    // The step's start, then at most five marks a layer (attention, moe and their all-reduces,
+    // the embedding's) and the LM head's.
+    TV_ASSIGN_OR_RETURN(stamps, DeviceArray<uint64_t>::Allocate(5 * c.num_hidden_layers + 8));
     TV_RETURN_IF_ERROR(kv_rows.EnableAccounting());
   }
   std::unique_ptr<CudaForward> forward(
@@ -120,6 +125,7 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
   forward->account_steps_ = options.account_steps;
   forward->copy_bytes_per_second_ = copy_bytes_per_second;
   forward->active_experts_ = std::move(active_experts);
+  forward->stamps_ = std::move(stamps);
   return forward;
 }
 
@@ -141,35 +147,24 @@ CudaForward::~CudaForward() {
   // Bounded where collectives may be in flight (a failed step has already waited for them).
   if (!Synchronize().ok()) cudaStreamSynchronize(stream_);
   DropGraphs();
-  for (cudaEvent_t event : events_) cudaEventDestroy(event);
   cudaStreamDestroy(stream_);
 }
 
 absl::Status CudaForward::StartAccount() {
   marks_.clear();
   if (!account_steps_) return absl::OkStatus();
-  if (events_.empty()) {
-    cudaEvent_t event;
-    TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));
-    events_.push_back(event);
-  }
-  return cuda::CudaStatus(cudaEventRecord(events_[0], stream_), "cudaEventRecord");
+  return cuda::RecordGlobalTimer(stamps_.get(), stream_);
 }
 
 absl::Status CudaForward::Mark(StepPhase phase) {
   if (!account_steps_) return absl::OkStatus();
   const size_t next = marks_.size() + 1;
-  if (events_.size() <= next) {
-    cudaEvent_t event;
-    TV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&event));
-    events_.push_back(event);
+  if (static_cast<int64_t>(next) >= stamps_.size()) {
+    return absl::InternalError(
+        absl::StrCat("CudaForward: more than ", stamps_.size() - 1, " phase marks in one step"));
   }
   marks_.push_back(phase);
-  // Inside a capture, an event record node (an ordinary record there only orders streams).
-  return cuda::CudaStatus(
-      capturing_ ? cudaEventRecordWithFlags(events_[next], stream_, cudaEventRecordExternal)
-                 : cudaEventRecord(events_[next], stream_),
-      "cudaEventRecord");
+  return cuda::RecordGlobalTimer(stamps_.get() + next, stream_);
 }
 
 absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& layout) {
@@ -180,11 +175,13 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
   account.padded_rows = layout.rows;
   account.launch = last_launch_;
   account.prefill = !prefill_chains_.empty();
-  TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(events_[marks_.size()]));
+  std::vector<uint64_t> stamps(marks_.size() + 1);
+  TV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stamps.data(), stamps_.get(),
+                                          stamps.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost,
+                                          stream_));
+  TV_RETURN_IF_ERROR(Synchronize());
   for (size_t i = 0; i < marks_.size(); ++i) {
-    float ms = 0.0f;
-    TV_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
-    account.phase(marks_[i]).gpu_seconds += ms * 1e-3;
+    account.phase(marks_[i]).gpu_seconds += static_cast<double>(stamps[i + 1] - stamps[i]) * 1e-9;
   }
   TV_ASSIGN_OR_RETURN(const CudaKvStorage::Commits commits, kv_rows_.TakeCommits());
   account.phase(StepPhase::kKvCommit).gpu_seconds = commits.gpu_seconds;
@@ -322,7 +319,7 @@ absl::Status CudaForward::Synchronize() {
 
 // On the device through NCCL; otherwise (a host communicator: Gloo, in-process) through the
 // host, one copy each way. Marks the all-reduce phase's end, except at W = 1, where there is no
-// all-reduce: an event in a graph leaves the GPU idle for ~3.5 us (bench/NOTES.md, step 87).
+// all-reduce (and a mark is a kernel node more in the graph).
 absl::Status CudaForward::AllReduce(float* data, int64_t count) {
   if (communicator_->world_size() == 1) return absl::OkStatus();
   if (collectives_ != nullptr) {
@@ -551,10 +548,8 @@ absl::Status CudaForward::RunGraph(const StepLayout& layout) {
   }
   last_launch_ = StepLaunch::kCapture;
   TV_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  capturing_ = true;
   std::vector<std::vector<float>> unused;
   const absl::Status captured = Layers(layout, nullptr, unused);
-  capturing_ = false;
   cudaGraph_t recorded = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(stream_, &recorded);
   TV_RETURN_IF_ERROR(captured);
@@ -562,7 +557,7 @@ absl::Status CudaForward::RunGraph(const StepLayout& layout) {
   const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, recorded, 0);
   cudaGraphDestroy(recorded);
   TV_CUDA_RETURN_IF_ERROR(instantiated);
-  graph.marks = marks_;  // the events the graph records
+  graph.marks = marks_;  // the phase marks the graph records
   return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
 }
 

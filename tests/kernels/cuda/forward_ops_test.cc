@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <numeric>
@@ -17,6 +18,7 @@
 #include "treeverify/kernels/cuda/activation.h"
 #include "treeverify/kernels/cuda/embedding.h"
 #include "treeverify/kernels/cuda/gemm.h"
+#include "treeverify/kernels/cuda/global_timer.h"
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
@@ -691,9 +693,25 @@ TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
 }
 
 // Parameter checks happen before any CUDA call, so they run without a GPU too.
+// The phase clock: stamps on one stream are in order, nanoseconds apart as the host sees them.
+TEST_F(CudaForwardOpsTest, GlobalTimerStampsFollowTheStream) {
+  DeviceBuffer<uint64_t> stamps(2);
+  ASSERT_TRUE(RecordGlobalTimer(stamps.get(), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(2)) {
+  }
+  ASSERT_TRUE(RecordGlobalTimer(stamps.get() + 1, nullptr).ok());
+  const std::vector<uint64_t> t = stamps.ToHost();
+  // The second kernel was launched 2 ms after the first had run; well under a second.
+  EXPECT_GT(t[1] - t[0], uint64_t{1'000'000});
+  EXPECT_LT(t[1] - t[0], uint64_t{1'000'000'000});
+}
+
 TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   EXPECT_EQ(Embedding({.tokens = 1, .hidden = 0}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RecordGlobalTimer(nullptr, nullptr).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RmsNorm(RmsNormParamsOf<float, Bf16, Bf16>{.rows = 1, .dim = 4}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   float sum = 0.0f;

@@ -44,8 +44,9 @@ namespace treeverify::worker {
 
 struct CudaForwardOptions {
   int device_ordinal = 0;
-  // Keep a StepAccount of every step (step_accounting.h): events between the phases, the active
-  // experts per layer, and the copy bandwidth measured once at creation (a few milliseconds).
+  // Keep a StepAccount of every step (step_accounting.h): GPU clock stamps between the phases, the
+  // active experts per layer, and the copy bandwidth measured once at creation (a few
+  // milliseconds).
   bool account_steps = false;
   // Replay each step shape's device work from a CUDA graph (captured on the shape's second step;
   // see docs/gpu-worker.md for what is and is not captured).
@@ -134,7 +135,7 @@ class CudaForward final : public ForwardBackend {
     bool seen = false;  // run eagerly once (plans made, buffers sized)
     int64_t epoch = 0;  // buffers_epoch_ when seen or captured
     cudaGraphExec_t exec = nullptr;
-    std::vector<StepPhase> marks;  // the phase events the graph records
+    std::vector<StepPhase> marks;  // the phase marks the graph records
     int64_t last_used = 0;         // graph_clock_ at its last step
   };
   // Batches of many sequences and contexts still make many layouts: past this many, the least
@@ -157,7 +158,7 @@ class CudaForward final : public ForwardBackend {
   CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
               const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
               std::unique_ptr<kernels::cuda::GemmRunner> gemm);
-  // Accounting: Mark records an event that closes the interval since the previous one, which
+  // Accounting: Mark records the time that closes the interval since the previous mark, which
   // counts to `phase`; Account turns the step's intervals into last_account_.
   absl::Status StartAccount();
   absl::Status Mark(StepPhase phase);
@@ -219,7 +220,6 @@ class CudaForward final : public ForwardBackend {
   DeviceArray<kernels::NodeSummary> summaries_;  // [capacity]
   DeviceArray<kernels::Candidate> candidates_;   // every sequence's [rows, candidates], packed
   bool use_graphs_ = true;
-  bool capturing_ = false;
   int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
   std::map<StepLayout, Graph> graphs_;
   int64_t graph_clock_ = 0;
@@ -234,8 +234,10 @@ class CudaForward final : public ForwardBackend {
 
   bool account_steps_ = false;
   double copy_bytes_per_second_ = 0.0;
-  std::vector<cudaEvent_t> events_;  // a pool; events_[0] opens the step
-  std::vector<StepPhase> marks_;     // marks_[i] closes the interval events_[i] .. events_[i + 1]
+  // %globaltimer at the step's start (stamps_[0]) and at each mark, written on the stream (kernel
+  // nodes in graphs); marks_[i] closes the interval stamps_[i] .. stamps_[i + 1].
+  DeviceArray<uint64_t> stamps_;
+  std::vector<StepPhase> marks_;
   DeviceArray<int32_t> active_experts_;  // [layers] written by the MoE grouping
   std::optional<StepAccount> last_account_;
 };
