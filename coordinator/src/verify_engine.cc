@@ -31,7 +31,11 @@ struct SegmentResult {
 using SegmentCallback = std::function<void(absl::StatusOr<SegmentResult>)>;
 
 // One sequence's rows waiting for a Forward.
+// What a queued segment is: a forward holds one kind only (DispatchLoop).
+enum class SegmentKind { kPromptChunk, kTree };
+
 struct QueuedSegment {
+  SegmentKind kind;
   worker::SegmentInput segment;
   absl::Time enqueued;
   SegmentCallback done;
@@ -154,8 +158,8 @@ class VerifyEngine::Impl {
     absl::MutexLock lock(&mu_);
     return failed_ ? failure_ : absl::OkStatus();
   }
-  // Queues rows for the next Forward; `done` runs on the dispatch thread.
-  void Enqueue(worker::SegmentInput segment, SegmentCallback done);
+  // Queues rows for the next Forward of their kind; `done` runs on the dispatch thread.
+  void Enqueue(SegmentKind kind, worker::SegmentInput segment, SegmentCallback done);
   void PrefillChunk(std::shared_ptr<SessionLease> lease, std::vector<int32_t> prompt,
                     size_t previous_begin, size_t begin, bool return_logprobs,
                     CreateSessionCallback done);
@@ -199,12 +203,13 @@ std::vector<absl::StatusOr<T>> VerifyEngine::Impl::OnAllRanks(Fn fn) {
   return results;
 }
 
-void VerifyEngine::Impl::Enqueue(worker::SegmentInput segment, SegmentCallback done) {
+void VerifyEngine::Impl::Enqueue(SegmentKind kind, worker::SegmentInput segment,
+                                 SegmentCallback done) {
   {
     absl::MutexLock lock(&mu_);
     // Work queued after the dispatcher left would never run: refuse it instead.
     if (!failed_ && !dispatcher_exited_) {
-      queue_.push_back({std::move(segment), absl::Now(), std::move(done)});
+      queue_.push_back({kind, std::move(segment), absl::Now(), std::move(done)});
       return;
     }
   }
@@ -253,54 +258,55 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
                         .seed = session.sampling.seed,
                         .candidates = CandidatesPerShard(session.sampling)};
   }
-  Enqueue(std::move(segment), [this, lease = std::move(lease), prompt = std::move(prompt), begin,
-                               end, last, return_logprobs, done = std::move(done)](
-                                  absl::StatusOr<SegmentResult> result) mutable {
-    Session& session = **lease;
-    absl::Status status = result.status();
-    if (status.ok()) status = result->per_rank[0].status;
-    if (!status.ok()) {
-      // The session never became usable: forget it and free whatever the ranks hold.
-      const SessionId id = session.id;
-      lease.reset();  // ends the lease first, so Close removes the session at once
-      if (absl::StatusOr<uint64_t> sequence = sessions_->Close(id);
-          sequence.ok() && *sequence != kNoSequenceId) {
-        absl::MutexLock lock(&mu_);
-        to_release_.push_back(*sequence);
-      }
-      return done(status);
-    }
-    if (!last) {
-      // Re-enter through the queue so other sessions' work interleaves with long prompts.
-      return PrefillChunk(lease, std::move(prompt), begin, end, return_logprobs, std::move(done));
-    }
-    const int32_t candidates = CandidatesPerShard(session.sampling);
-    const size_t last_node = end - begin - 1;
-    absl::StatusOr<SelectedToken> first =
-        SelectToken(ShardsOf(*result, last_node, candidates), session.sampling,
-                    static_cast<int64_t>(prompt.size()));
-    if (!first.ok()) {
-      lease.reset();
-      return done(first.status());
-    }
-    session.committed_tokens = prompt;
-    session.pending_token = first->token;
-    session.pending_commit = worker::SegmentTree::AllNodes(end - begin);
-    const std::vector<int32_t> emitted = {first->token};
-    const StopDecision stop =
-        ApplyStopping(emitted, 0, session.stopping, info_.eos_token_ids,
-                      static_cast<int64_t>(prompt.size()), info_.max_context_length);
-    session.emitted_tokens = 1;
-    session.finish_reason = stop.reason;
-    CreateSessionOutput out;
-    out.session_id = session.id;
-    out.pending_token_id = first->token;
-    out.context_length = static_cast<int64_t>(prompt.size());
-    out.pending_logprob = return_logprobs ? first->logprob : 0.0f;
-    out.finish_reason = stop.reason;
-    lease.reset();
-    done(std::move(out));
-  });
+  Enqueue(SegmentKind::kPromptChunk, std::move(segment),
+          [this, lease = std::move(lease), prompt = std::move(prompt), begin, end, last,
+           return_logprobs, done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
+            Session& session = **lease;
+            absl::Status status = result.status();
+            if (status.ok()) status = result->per_rank[0].status;
+            if (!status.ok()) {
+              // The session never became usable: forget it and free whatever the ranks hold.
+              const SessionId id = session.id;
+              lease.reset();  // ends the lease first, so Close removes the session at once
+              if (absl::StatusOr<uint64_t> sequence = sessions_->Close(id);
+                  sequence.ok() && *sequence != kNoSequenceId) {
+                absl::MutexLock lock(&mu_);
+                to_release_.push_back(*sequence);
+              }
+              return done(status);
+            }
+            if (!last) {
+              // Re-enter through the queue so other sessions' work interleaves with long prompts.
+              return PrefillChunk(lease, std::move(prompt), begin, end, return_logprobs,
+                                  std::move(done));
+            }
+            const int32_t candidates = CandidatesPerShard(session.sampling);
+            const size_t last_node = end - begin - 1;
+            absl::StatusOr<SelectedToken> first =
+                SelectToken(ShardsOf(*result, last_node, candidates), session.sampling,
+                            static_cast<int64_t>(prompt.size()));
+            if (!first.ok()) {
+              lease.reset();
+              return done(first.status());
+            }
+            session.committed_tokens = prompt;
+            session.pending_token = first->token;
+            session.pending_commit = worker::SegmentTree::AllNodes(end - begin);
+            const std::vector<int32_t> emitted = {first->token};
+            const StopDecision stop =
+                ApplyStopping(emitted, 0, session.stopping, info_.eos_token_ids,
+                              static_cast<int64_t>(prompt.size()), info_.max_context_length);
+            session.emitted_tokens = 1;
+            session.finish_reason = stop.reason;
+            CreateSessionOutput out;
+            out.session_id = session.id;
+            out.pending_token_id = first->token;
+            out.context_length = static_cast<int64_t>(prompt.size());
+            out.pending_logprob = return_logprobs ? first->logprob : 0.0f;
+            out.finish_reason = stop.reason;
+            lease.reset();
+            done(std::move(out));
+          });
 }
 
 void VerifyEngine::Impl::VerifyAsync(VerifyInput input, VerifyCallback done) {
@@ -358,7 +364,7 @@ void VerifyEngine::Impl::VerifyAsync(VerifyInput input, VerifyCallback done) {
   for (size_t s = 1; s < depth.size(); ++s) depth[s] = depth[segment.parents[s]] + 1;
   const absl::Time validated = absl::Now();
   Enqueue(
-      std::move(segment),
+      SegmentKind::kTree, std::move(segment),
       [this, lease = std::move(lease), input = std::move(input), depth = std::move(depth), started,
        validated, done = std::move(done)](absl::StatusOr<SegmentResult> result) mutable {
         absl::StatusOr<VerifyOutput> out =
@@ -479,21 +485,29 @@ void VerifyEngine::Impl::DispatchLoop() {
         int64_t rows = 0;
         int64_t hidden_bytes = 0;
         absl::flat_hash_set<uint64_t> sequences;
-        while (!queue_.empty()) {
-          const QueuedSegment& next = queue_.front();
-          const int64_t next_rows = static_cast<int64_t>(next.segment.token_ids.size());
-          const int64_t next_hidden = HiddenStateBytes(next.segment);
+        // A forward holds prompt chunks or draft trees, never both: a GPU rank prefills a forward
+        // of chains in the MHA form and replays one of trees from a CUDA graph, and a mix would
+        // take neither path. The first queued segment picks the kind; the other kind's segments
+        // keep their places for the next forward.
+        const SegmentKind kind = queue_.front().kind;
+        for (auto it = queue_.begin(); it != queue_.end();) {
+          if (it->kind != kind) {
+            ++it;
+            continue;
+          }
+          const int64_t next_rows = static_cast<int64_t>(it->segment.token_ids.size());
+          const int64_t next_hidden = HiddenStateBytes(it->segment);
           // Rank 0's answer carries every requested hidden state: keep it under the budget.
           if (!batch.empty() && (rows + next_rows > options_.max_batch_rows ||
                                  hidden_bytes + next_hidden > options_.max_hidden_state_bytes ||
-                                 sequences.contains(next.segment.sequence_id))) {
+                                 sequences.contains(it->segment.sequence_id))) {
             break;
           }
           rows += next_rows;
           hidden_bytes += next_hidden;
-          sequences.insert(next.segment.sequence_id);
-          batch.push_back(std::move(queue_.front()));
-          queue_.pop_front();
+          sequences.insert(it->segment.sequence_id);
+          batch.push_back(std::move(*it));
+          it = queue_.erase(it);
         }
       }
       if (failed_) {

@@ -3,6 +3,7 @@
 // conditions, error codes and KV release.
 #include "treeverify/coordinator/verify_engine.h"
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <map>
@@ -12,8 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "treeverify/coordinator/rank_client.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/drafters.h"
 #include "treeverify/tools/local_model.h"
@@ -151,6 +154,93 @@ TEST(VerifyEngineTest, SeedsMatterAndTopKRestricts) {
   const GenerateResult top1 = Generate(*replica.engine, prompt, "none", {},
                                        {.temperature = 1.0f, .seed = 3, .top_k = 1}, 32);
   EXPECT_EQ(top1.tokens, greedy.tokens);
+}
+
+// A rank client that records the size of every segment of every forward, then forwards.
+class RecordingRankClient final : public coordinator::RankClient {
+ public:
+  RecordingRankClient(std::unique_ptr<coordinator::RankClient> rank,
+                      std::vector<std::vector<size_t>>* forwards, absl::Mutex* mu)
+      : rank_(std::move(rank)), forwards_(forwards), mu_(mu) {}
+  absl::StatusOr<coordinator::RankDescription> Describe(absl::Duration timeout) override {
+    return rank_->Describe(timeout);
+  }
+  absl::StatusOr<worker::ForwardResult> Forward(const worker::ForwardRequest& request,
+                                                absl::Duration timeout) override {
+    if (forwards_ != nullptr) {
+      std::vector<size_t> rows;
+      for (const worker::SegmentInput& s : request.segments) rows.push_back(s.token_ids.size());
+      absl::MutexLock lock(mu_);
+      forwards_->push_back(std::move(rows));
+    }
+    return rank_->Forward(request, timeout);
+  }
+  absl::StatusOr<int64_t> Release(absl::Span<const uint64_t> ids, absl::Duration timeout) override {
+    return rank_->Release(ids, timeout);
+  }
+
+ private:
+  std::unique_ptr<coordinator::RankClient> rank_;
+  std::vector<std::vector<size_t>>* forwards_;  // rank 0's only
+  absl::Mutex* mu_;
+};
+
+// Prompt chunks and draft trees never share a forward (docs/gpu-worker.md, "Prefill": a GPU
+// rank prefills a forward of chains in the MHA form, and replays trees from graphs), while
+// sessions verify and others prefill at the same time; every session stays lossless.
+TEST(VerifyEngineTest, PrefillChunksAndTreesNeverShareAForward) {
+  VerifyEngineOptions options;
+  options.batch_window = absl::Milliseconds(5);
+  options.prefill_chunk = 100;
+  tools::LocalModelOptions model_options;
+  model_options.kv_page_size = 16;
+  auto model = LocalModel::Create(ModelDir(), model_options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<std::vector<size_t>> forwards;
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<coordinator::RankClient>> ranks;
+  for (auto& rank : (*model)->RankClients()) {
+    ranks.push_back(std::make_unique<RecordingRankClient>(
+        std::move(rank), ranks.empty() ? &forwards : nullptr, &mu));
+  }
+  auto engine = VerifyEngine::Create(options, std::move(ranks));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const int vocab = static_cast<int>((*engine)->info().vocab_size);
+  std::mt19937 rng(41);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int p = 0; p < 8; ++p) {
+    // Prompts of one chunk of 40 rows and of five chunks of 100; trees have at most 13 rows.
+    std::vector<int32_t> prompt(p % 2 == 0 ? 40 : 500);
+    for (int32_t& t : prompt) t = std::uniform_int_distribution<int32_t>(2, vocab - 1)(rng);
+    prompts.push_back(prompt);
+  }
+  std::vector<GenerateResult> plain(prompts.size()), together(prompts.size());
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    plain[p] = Generate(**engine, prompts[p], "none", {}, {}, 12);
+  }
+  {
+    absl::MutexLock lock(&mu);
+    forwards.clear();
+  }
+  std::vector<std::thread> threads;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    threads.emplace_back(
+        [&, p] { together[p] = Generate(**engine, prompts[p], "random", {}, {}, 12); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    EXPECT_EQ(together[p].tokens, plain[p].tokens) << "prompt " << p;
+  }
+  absl::MutexLock lock(&mu);
+  int prefill_forwards = 0, tree_forwards = 0;
+  for (const std::vector<size_t>& rows : forwards) {
+    const bool chunk = std::any_of(rows.begin(), rows.end(), [](size_t r) { return r >= 40; });
+    const bool tree = std::any_of(rows.begin(), rows.end(), [](size_t r) { return r <= 13; });
+    EXPECT_FALSE(chunk && tree) << "a forward mixed prompt chunks and draft trees";
+    (chunk ? prefill_forwards : tree_forwards) += 1;
+  }
+  EXPECT_GT(prefill_forwards, 0);
+  EXPECT_GT(tree_forwards, 0);
 }
 
 // Long prompts in long prefill chunks (longer than a tree: the ranks take them in pieces) give
