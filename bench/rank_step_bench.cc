@@ -132,6 +132,8 @@ BatchInputs MakeBatch(int64_t context, int64_t nodes, const ModelConfig& config)
   b.max_pages = static_cast<int32_t>((context + nodes + kPageSize - 1) / kPageSize);
   for (int32_t p = 0; p < b.max_pages; ++p) b.page_table.push_back(p);
   b.sampling = {SegmentSampling{}};
+  b.chain = {SegmentTree::IsChain(parents)};
+  b.continues_chain = {false};
   b.capture_layer.assign(config.num_hidden_layers + 1, false);
   return b;
 }
@@ -250,7 +252,7 @@ absl::Status RunPrefill(const Args& args, const ModelConfig& config, const Shard
         TV_RETURN_IF_ERROR(forward.Run(batch, outputs));
         wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         const StepAccount account = *forward.last_step_account();
-        if (!account.prefill) {
+        if (rows > kernels::kMaxSegmentRows && !account.prefill) {
           return absl::InternalError(
               absl::StrCat("chunk at ", committed, " missed the prefill path"));
         }

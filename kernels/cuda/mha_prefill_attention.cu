@@ -276,6 +276,13 @@ absl::Status MhaPrefillAttention(const MhaPrefillParams& p, cudaStream_t stream)
     return absl::InvalidArgumentError(
         "cuda::MhaPrefillAttention: q, kv_up, k_rope and out must be non-null");
   }
+  for (const void* pointer : {static_cast<const void*>(p.q), static_cast<const void*>(p.kv_up),
+                              static_cast<const void*>(p.k_rope)}) {
+    if (reinterpret_cast<uintptr_t>(pointer) % 16 != 0) {
+      return absl::InvalidArgumentError(
+          "cuda::MhaPrefillAttention: q, kv_up and k_rope must be 16-byte aligned (cp.async)");
+    }
+  }
   const int32_t qk = p.nope_dim + p.rope_dim;
   if (Fits<32, 16>(qk, p.v_dim)) return Launch<32, 16>(p, stream);
   if (Fits<64, 32>(qk, p.v_dim)) return Launch<64, 32>(p, stream);

@@ -58,9 +58,17 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w) {
 
 }  // namespace
 
+// Enough for any step of up to `tokens`: the gate/up partial sums exist only for steps of few
+// pairs (GateUpParts), so a smaller step may need more than `tokens` does.
 int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_local_experts,
                                  int64_t intermediate, int64_t hidden) {
-  return Carve(nullptr, tokens, top_k, num_local_experts, intermediate, hidden).bytes;
+  int64_t bytes = Carve(nullptr, tokens, top_k, num_local_experts, intermediate, hidden).bytes;
+  const int64_t most_parted = std::min<int64_t>(tokens, moe::kMaxPartedPairs / top_k);
+  if (most_parted > 0) {
+    bytes = std::max(
+        bytes, Carve(nullptr, most_parted, top_k, num_local_experts, intermediate, hidden).bytes);
+  }
+  return bytes;
 }
 
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace,

@@ -84,39 +84,30 @@ __device__ inline void PublishGroupTotals(int32_t num_local, int32_t pairs, int3
 }
 
 // The grouping of a verify step (at most kStagedEntries entries; GroupChunks* below take more).
-// One block. The routing's ids are first copied to shared memory (when they fit: a verify step's
-// always do), then thread t owns local experts [t * per_thread, (t + 1) * per_thread): it counts
-// their pairs, the block scans the counts (offsets) and the active flags (the active list), and
-// it writes their pairs in token order.
+// One block. The routing's ids are first copied to shared memory, then thread t owns local
+// experts [t * per_thread, (t + 1) * per_thread): it counts their pairs, the block scans the counts
+// (offsets), the active flags (the active list) and the GEMM tiles, and it writes their pairs in
+// token order.
 constexpr int64_t kStagedEntries = 8192;  // 32 KB of shared memory
 
 __global__ void __launch_bounds__(kGroupThreads)
     GroupKernel(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
                 int32_t first_expert, int32_t num_local, Workspace w, int32_t* active_count) {
-  extern __shared__ int32_t staged[];  // [entries] local expert ids, when they fit
+  extern __shared__ int32_t staged[];  // [entries] local expert ids
   const int64_t entries = tokens * top_k;
-  const bool stage = entries <= kStagedEntries;
-  if (stage) {
-    for (int64_t i = threadIdx.x; i < entries; i += kGroupThreads) {
-      staged[i] = topk_ids[i] - first_expert;
-    }
+  for (int64_t i = threadIdx.x; i < entries; i += kGroupThreads) {
+    staged[i] = topk_ids[i] - first_expert;
   }
   __syncthreads();
   const int32_t per_thread = (num_local + kGroupThreads - 1) / kGroupThreads;
   const int32_t begin = min(num_local, static_cast<int32_t>(threadIdx.x) * per_thread);
   const int32_t end = min(num_local, begin + per_thread);
-  // The loops read either the staged ids or global memory, never a choice per element: a select
-  // per element kept the compiler from pipelining the loads (18 us at 128 entries, step 83).
   const int32_t n = static_cast<int32_t>(entries);
   int32_t pairs = 0, active = 0, tiles = 0;
   for (int32_t e = begin; e < end; ++e) {
     int32_t count = 0;
-    if (stage) {
 #pragma unroll 8
-      for (int32_t i = 0; i < n; ++i) count += staged[i] == e;
-    } else {
-      for (int32_t i = 0; i < n; ++i) count += topk_ids[i] - first_expert == e;
-    }
+    for (int32_t i = 0; i < n; ++i) count += staged[i] == e;
     pairs += count;
     active += count > 0;
     tiles += (count + moe::kGemmPairs - 1) / moe::kGemmPairs;
@@ -127,8 +118,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     w.offsets[e] = pairs;
     const int32_t first_pair = pairs;
     for (int32_t i = 0; i < n; ++i) {
-      const int32_t local = stage ? staged[i] : topk_ids[i] - first_expert;
-      if (local != e) continue;
+      if (staged[i] != e) continue;
       w.pair_token[pairs] = i / top_k;
       w.pair_entry[pairs] = i;
       ++pairs;

@@ -327,11 +327,11 @@ TEST_F(CudaForwardTest, TeacherForcedStepsMatchTheCpuBackend) {
   }
 }
 
-// The prefill path (the MHA form: steps of chains, kMinPrefillRows rows or more) against the CPU
-// by teacher forcing: two prompts prefilled together, the first past a tree's size (so in
-// pieces), each continued by a second chunk over its committed prefix, then draft trees in the
-// absorbed form over the cache the prefill path wrote. Every model: the padded kernels of the
-// tiny dims and DeepSeek's 192 / 128.
+// The prefill path (the MHA form, for chains longer than a tree) against the CPU by teacher
+// forcing: two prompts prefilled together, the first past a tree's size (in pieces, the MHA form)
+// and the second short (absorbed in the same step), each continued by a second chunk over its
+// committed prefix, then draft trees in the absorbed form over the cache the prefill path wrote.
+// Every model: the padded kernels of the tiny dims and DeepSeek's 192 / 128.
 TEST_F(CudaForwardTest, PrefillInTheMhaFormMatchesTheCpuBackend) {
   for (const Model& model : Models()) {
     SCOPED_TRACE(model.name);
@@ -375,8 +375,9 @@ TEST_F(CudaForwardTest, PrefillInTheMhaFormMatchesTheCpuBackend) {
   }
 }
 
-// Which steps take the prefill path: chains of kMinPrefillRows rows or more in all, nothing else.
-TEST_F(CudaForwardTest, OnlyLongChainStepsTakeThePrefillPath) {
+// Which steps take the prefill path: those with a chain longer than a tree (a prompt chunk), the
+// step's other sequences staying absorbed; never a step of trees or of short chains, however many.
+TEST_F(CudaForwardTest, OnlyLongChainsTakeThePrefillPath) {
   const Model model = Models().back();  // DeepSeek's attention dims
   const std::string dir = WriteModel(model);
   SoloCommunicator solo;
@@ -384,21 +385,36 @@ TEST_F(CudaForwardTest, OnlyLongChainStepsTakeThePrefillPath) {
   ASSERT_TRUE(runner.ok()) << runner.status();
   std::mt19937 rng(5);
   const int64_t vocab = (*runner)->config().vocab_size;
-  auto step = [&](uint64_t id, std::vector<int32_t> parents, std::optional<int64_t> commit) {
-    SegmentInput segment{.sequence_id = id,
-                         .token_ids = RandomTokens(static_cast<int>(parents.size()), vocab, rng),
-                         .parents = std::move(parents)};
-    if (commit) segment.commit_nodes = SegmentTree::AllNodes(*commit);
+  // One forward of segments (sequence id, parents, rows to commit first).
+  struct Segment {
+    uint64_t id;
+    std::vector<int32_t> parents;
+    std::optional<int64_t> commit;
+  };
+  auto step = [&](const std::vector<Segment>& segments) {
     ForwardRequest request;
-    request.segments.push_back(segment);
+    for (const Segment& s : segments) {
+      request.segments.push_back(
+          {.sequence_id = s.id,
+           .token_ids = RandomTokens(static_cast<int>(s.parents.size()), vocab, rng),
+           .parents = s.parents});
+      if (s.commit) request.segments.back().commit_nodes = SegmentTree::AllNodes(*s.commit);
+    }
     auto result = (*runner)->Forward(request);
-    EXPECT_TRUE(result.ok() && result->segments[0].status.ok());
+    EXPECT_TRUE(result.ok());
+    for (const SegmentOutput& output : result->segments) EXPECT_TRUE(output.status.ok());
     return (*runner)->last_step_account().value_or(StepAccount{}).prefill;
   };
-  EXPECT_TRUE(step(1, SegmentTree::ChainParents(300), std::nullopt));   // pieces of 256 + 44
-  EXPECT_FALSE(step(2, SegmentTree::ChainParents(100), std::nullopt));  // too short
-  EXPECT_FALSE(step(1, {-1, 0, 0, 1}, 300));                            // a tree
-  EXPECT_TRUE(step(2, SegmentTree::ChainParents(256), 100));            // over a prefix
+  EXPECT_TRUE(step({{1, SegmentTree::ChainParents(300), {}}}));   // pieces of 256 + 44
+  EXPECT_FALSE(step({{2, SegmentTree::ChainParents(256), {}}}));  // a tree's size
+  EXPECT_FALSE(step({{1, {-1, 0, 0, 1}, 300}}));                  // a tree
+  // Seventeen sequences with 16-node chain drafts (272 rows): still a verify step.
+  std::vector<Segment> chains;
+  for (uint64_t id = 10; id < 27; ++id) chains.push_back({id, SegmentTree::ChainParents(16), {}});
+  EXPECT_FALSE(step(chains));
+  for (const Segment& s : chains) ASSERT_TRUE((*runner)->Release(s.id).ok());
+  // A tree beside a prompt chunk over its prefix: the chunk in the MHA form, the tree absorbed.
+  EXPECT_TRUE(step({{2, SegmentTree::ChainParents(257), 256}, {1, {-1, 0, 0}, 2}}));
 }
 
 // Two GPUs, one rank each, over NCCL: the all-reduces on the device and the steps replayed from

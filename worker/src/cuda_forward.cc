@@ -189,8 +189,8 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
 
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
-  // The context each attention pass reads: every sequence's, or each prefill chain's once.
-  for (int32_t s = 0; s < batch.sequences() && prefill_chains_.empty(); ++s) {
+  // The context each attention pass reads: every absorbed sequence's, and each long chain's once.
+  for (int32_t s = 0; s < AbsorbedSequences(batch.sequences()); ++s) {
     shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
                          batch.row_offsets[s]);
   }
@@ -417,28 +417,22 @@ absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs
         absl::StrCat("BatchInputs.capture_layer has ", batch.capture_layer.size(),
                      " entries; the model has ", c.num_hidden_layers + 1, " layers to capture"));
   }
+  const size_t sequences = static_cast<size_t>(batch.sequences());
+  if (batch.chain.size() != sequences || batch.continues_chain.size() != sequences) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BatchInputs.chain and .continues_chain need an entry per sequence (", sequences,
+        "), have ", batch.chain.size(), " and ", batch.continues_chain.size()));
+  }
   TV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_.ordinal));
   const StepLayout layout = LayoutOf(batch);
   step_rows_ = rows;
   TV_RETURN_IF_ERROR(Reserve(layout.rows));
+  TV_RETURN_IF_ERROR(ReservePrefill(batch));
   TV_RETURN_IF_ERROR(StartAccount());
   TV_RETURN_IF_ERROR(Upload(batch, layout));
   last_launch_ = StepLaunch::kEager;  // unless RunGraph captures or replays
   const bool captures = std::find(batch.capture_layer.begin(), batch.capture_layer.end(), true) !=
                         batch.capture_layer.end();
-  prefill_chains_ = PrefillChainsOf(batch);
-  if (!prefill_chains_.empty()) {
-    int64_t keys = 0;
-    for (const PrefillChain& chain : prefill_chains_) keys = std::max<int64_t>(keys, chain.keys);
-    keys = (keys + kPrefillKeyAlign - 1) / kPrefillKeyAlign * kPrefillKeyAlign;
-    const ModelConfig& c = weights_.config;
-    const int64_t up_width = weights_.plan.heads.size() * (c.qk_nope_head_dim + c.v_head_dim);
-    if (prefill_latent_.size() < keys * c.kv_row_dim() || prefill_kv_up_.size() < keys * up_width) {
-      TV_RETURN_IF_ERROR(Synchronize());
-      TV_RETURN_IF_ERROR(Grow(prefill_latent_, keys * c.kv_row_dim()));
-      TV_RETURN_IF_ERROR(Grow(prefill_kv_up_, keys * up_width));
-    }
-  }
   // A graph replays device work only: hidden states copied out mid-step and all-reduces through
   // a host communicator run eagerly; so does prefill (its shapes vary with every prompt).
   if (use_graphs_ && !captures && prefill_chains_.empty() &&
@@ -634,8 +628,15 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   const int64_t heads = weights_.plan.heads.size();
   TV_RETURN_IF_ERROR(ProjectQueries(w, layout.rows));
   TV_RETURN_IF_ERROR(AppendNewRows(layer_index, layout.rows));
-  TV_RETURN_IF_ERROR(prefill_chains_.empty() ? AbsorbedAttention(layer_index, layout)
-                                             : PrefillAttention(layer_index, layout));
+  // Trees and short chains in the absorbed form (the sequences before the first long chain),
+  // then the long chains in the MHA form (their rows' values overwrite the absorbed pass's).
+  const int32_t absorbed = AbsorbedSequences(layout.sequences);
+  if (absorbed > 0) {
+    StepLayout absorbed_layout = layout;
+    absorbed_layout.sequences = absorbed;
+    TV_RETURN_IF_ERROR(AbsorbedAttention(layer_index, absorbed_layout));
+  }
+  if (!prefill_chains_.empty()) TV_RETURN_IF_ERROR(PrefillAttention(layer_index, layout));
   // o_proj: this rank's partial sum over its heads, all-reduced by the caller.
   return gemm_->Run({.x = activations_.values.get(),
                      .weight = w.o_proj.get(),
@@ -842,7 +843,7 @@ absl::Status CudaForward::PrefillAttention(int64_t layer_index, const StepLayout
                                                    .attention_factor = rope_attention_factor_,
                                                    .interleaved = c.rope_interleave},
                  stream_));
-  // The padding rows belong to no chain: zeros, so that they stay finite through o_proj.
+  // The padding rows belong to no sequence: zeros, so that they stay finite through o_proj.
   const int64_t padding = layout.rows - step_rows_;
   TV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.values.get() + step_rows_ * heads * v, 0,
                                           padding * heads * v * sizeof(Bf16), stream_));
@@ -887,18 +888,44 @@ absl::Status CudaForward::PrefillAttention(int64_t layer_index, const StepLayout
   return absl::OkStatus();
 }
 
+int32_t CudaForward::AbsorbedSequences(int32_t sequences) const {
+  return prefill_chains_.empty() ? sequences : prefill_chains_.front().sequence;
+}
+
+// The step's long chains and their workspaces (the longest context's). Should the workspaces not
+// fit in device memory, the step runs every chain in the absorbed form instead.
+absl::Status CudaForward::ReservePrefill(const BatchInputs& batch) {
+  prefill_chains_ = PrefillChainsOf(batch);
+  if (prefill_chains_.empty()) return absl::OkStatus();
+  const ModelConfig& c = weights_.config;
+  int64_t keys = 0;
+  for (const PrefillChain& chain : prefill_chains_) keys = std::max<int64_t>(keys, chain.keys);
+  keys = (keys + kPrefillKeyAlign - 1) / kPrefillKeyAlign * kPrefillKeyAlign;
+  const int64_t up_width = weights_.plan.heads.size() * (c.qk_nope_head_dim + c.v_head_dim);
+  if (prefill_latent_.size() >= keys * c.kv_row_dim() && prefill_kv_up_.size() >= keys * up_width) {
+    return absl::OkStatus();
+  }
+  TV_RETURN_IF_ERROR(Synchronize());
+  if (!Grow(prefill_latent_, keys * c.kv_row_dim()).ok() ||
+      !Grow(prefill_kv_up_, keys * up_width).ok()) {
+    prefill_latent_ = DeviceArray<Bf16>();
+    prefill_kv_up_ = DeviceArray<Bf16>();
+    prefill_chains_.clear();
+  }
+  return absl::OkStatus();
+}
+
 std::vector<CudaForward::PrefillChain> CudaForward::PrefillChainsOf(
     const BatchInputs& batch) const {
   const ModelConfig& c = weights_.config;
-  if (batch.rows() < kMinPrefillRows ||
-      !cuda::MhaPrefillSupported(static_cast<int32_t>(c.qk_nope_head_dim),
+  if (!cuda::MhaPrefillSupported(static_cast<int32_t>(c.qk_nope_head_dim),
                                  static_cast<int32_t>(c.qk_rope_head_dim),
                                  static_cast<int32_t>(c.v_head_dim))) {
     return {};
   }
+  // Join the pieces; keep the chains longer than a tree, which ModelRunner puts last.
   std::vector<PrefillChain> chains;
   for (int32_t s = 0; s < batch.sequences(); ++s) {
-    if (!batch.chain[s]) return {};
     const int32_t rows = batch.row_offsets[s + 1] - batch.row_offsets[s];
     if (batch.continues_chain[s] && !chains.empty()) {
       chains.back().rows += rows;
@@ -908,8 +935,18 @@ std::vector<CudaForward::PrefillChain> CudaForward::PrefillChainsOf(
     chains.push_back({.row_begin = batch.row_offsets[s],
                       .rows = rows,
                       .keys = batch.committed_lengths[s] + rows,
-                      .sequence = s});
+                      .sequence = s,
+                      .chain = static_cast<bool>(batch.chain[s])});
   }
+  size_t first_long = chains.size();
+  while (first_long > 0 && chains[first_long - 1].chain &&
+         chains[first_long - 1].rows > kernels::kMaxSegmentRows) {
+    --first_long;
+  }
+  for (size_t i = 0; i < first_long; ++i) {
+    if (chains[i].chain && chains[i].rows > kernels::kMaxSegmentRows) return {};  // not last
+  }
+  chains.erase(chains.begin(), chains.begin() + static_cast<std::ptrdiff_t>(first_long));
   return chains;
 }
 

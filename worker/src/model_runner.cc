@@ -89,6 +89,16 @@ absl::Status ModelRunner::CheckCommitIsAPath(uint64_t id, absl::Span<const int32
   return absl::OkStatus();
 }
 
+namespace {
+
+// A chain of more rows than a tree may have: only a prompt chunk is one.
+bool IsLongChain(const SegmentInput& input) {
+  return input.parents.size() > static_cast<size_t>(kernels::kMaxSegmentRows) &&
+         SegmentTree::IsChain(input.parents);
+}
+
+}  // namespace
+
 absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutput& output,
                                          BatchInputs& batch) {
   const uint64_t id = input.sequence_id;
@@ -190,12 +200,8 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
     const int32_t rows =
         static_cast<int32_t>(std::min<int64_t>(kernels::kMaxSegmentRows, nodes - first));
     if (chain) {
-      if (chain_masks_[rows].empty()) {
-        TV_ASSIGN_OR_RETURN(SegmentTree piece, SegmentTree::Build(SegmentTree::ChainParents(rows)));
-        chain_masks_[rows] = std::move(piece.ancestor_mask);
-      }
-      batch.ancestor_mask.insert(batch.ancestor_mask.end(), chain_masks_[rows].begin(),
-                                 chain_masks_[rows].end());
+      const std::vector<uint64_t> mask = SegmentTree::ChainMask(rows);
+      batch.ancestor_mask.insert(batch.ancestor_mask.end(), mask.begin(), mask.end());
     } else {
       batch.ancestor_mask.insert(batch.ancestor_mask.end(), tree->ancestor_mask.begin(),
                                  tree->ancestor_mask.end());
@@ -224,7 +230,15 @@ absl::StatusOr<ForwardResult> ModelRunner::Forward(const ForwardRequest& request
   for (const SegmentInput& segment : request.segments) {
     if (!seen.insert(segment.sequence_id).second) duplicated.insert(segment.sequence_id);
   }
-  for (size_t i = 0; i < request.segments.size(); ++i) {
+  // Chains longer than a tree go last (BatchInputs: a backend may attend them in another form
+  // than the sequences before them); the outputs keep the request's order.
+  std::vector<size_t> order;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < request.segments.size(); ++i) {
+      if (IsLongChain(request.segments[i]) == (pass == 1)) order.push_back(i);
+    }
+  }
+  for (size_t i : order) {
     const int64_t rows_before = batch.rows();
     SegmentOutput& output = result.segments[i];
     output.status = duplicated.contains(request.segments[i].sequence_id)

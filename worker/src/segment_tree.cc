@@ -47,6 +47,17 @@ std::vector<int32_t> SegmentTree::ChainParents(int32_t n) {
   return parents;
 }
 
+std::vector<uint64_t> SegmentTree::ChainMask(int32_t n) {
+  std::vector<uint64_t> mask(int64_t{n} * kAncestorMaskWords, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    uint64_t* row = &mask[int64_t{i} * kAncestorMaskWords];
+    for (int32_t w = 0; w <= i / 64; ++w) {
+      row[w] = w < i / 64 ? ~uint64_t{0} : (~uint64_t{0} >> (63 - i % 64));
+    }
+  }
+  return mask;
+}
+
 bool SegmentTree::IsChain(absl::Span<const int32_t> parents) {
   if (parents.empty()) return false;
   for (size_t i = 0; i < parents.size(); ++i) {

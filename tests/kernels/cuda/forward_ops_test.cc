@@ -692,7 +692,6 @@ TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
   }
 }
 
-// Parameter checks happen before any CUDA call, so they run without a GPU too.
 // The phase clock: stamps on one stream are in order, nanoseconds apart as the host sees them.
 TEST_F(CudaForwardOpsTest, GlobalTimerStampsFollowTheStream) {
   DeviceBuffer<uint64_t> stamps(2);
@@ -708,6 +707,7 @@ TEST_F(CudaForwardOpsTest, GlobalTimerStampsFollowTheStream) {
   EXPECT_LT(t[1] - t[0], uint64_t{1'000'000'000});
 }
 
+// Parameter checks happen before any CUDA call, so they run without a GPU too.
 TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   EXPECT_EQ(Embedding({.tokens = 1, .hidden = 0}, nullptr).code(),
             absl::StatusCode::kInvalidArgument);

@@ -13,10 +13,11 @@
 // eager steps). A failed step at W > 1 leaves the ranks out of step: every later Run is
 // UNAVAILABLE until the group re-forms (a new communicator, a new backend).
 //
-// Prefill: a step whose sequences are all chains (prompt chunks, long ones in pieces, see
-// BatchInputs) with at least kMinPrefillRows rows in all takes the MHA form (docs/gpu-worker.md,
-// "Prefill"): per layer and chain the context's latent rows are gathered and up-projected
-// through kv_b_proj, and a flash-attention kernel attends causally. Eager, never from a graph.
+// Prefill: chains longer than a tree (prompt chunks of more than kMaxSegmentRows rows, in pieces,
+// see BatchInputs) take the MHA form (docs/gpu-worker.md, "Prefill"): per layer and chain the
+// context's latent rows are gathered and up-projected through kv_b_proj, and a flash-attention
+// kernel attends causally; the step's other sequences keep the absorbed form. Such steps run
+// eagerly, never from a graph.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -121,12 +122,9 @@ class CudaForward final : public ForwardBackend {
     int32_t row_begin = 0;
     int32_t rows = 0;
     int32_t keys = 0;
-    int32_t sequence = 0;
+    int32_t sequence = 0;  // its first piece
+    bool chain = true;     // (while joining pieces: false for a tree)
   };
-  // Steps of fewer rows keep the absorbed form: per key of context the MHA form re-reads and
-  // up-projects the latent once per step, which pays only for enough rows (the FLOP table in
-  // docs/gpu-worker-plan.md puts the break-even near 170).
-  static constexpr int64_t kMinPrefillRows = 256;
   // Keys per up-projection GEMM: the GEMMs' shapes (and cuBLASLt plans) stay few whatever the
   // context, each block's rows rounded up to kPrefillKeyAlign.
   static constexpr int64_t kPrefillKeyBlock = 4096;
@@ -170,8 +168,13 @@ class CudaForward final : public ForwardBackend {
   absl::Status Synchronize();
   absl::Status Reserve(int64_t rows);
   static StepLayout LayoutOf(const BatchInputs& batch);
-  // The batch's chains when the step takes the prefill path, else empty.
+  // The batch's chains longer than a tree (BatchInputs puts them last), which take the prefill
+  // path, else empty.
   std::vector<PrefillChain> PrefillChainsOf(const BatchInputs& batch) const;
+  absl::Status ReservePrefill(const BatchInputs& batch);
+  // How many of the step's first sequences take the absorbed form: all, or those before the
+  // first long chain.
+  int32_t AbsorbedSequences(int32_t sequences) const;
   absl::Status Upload(const BatchInputs& batch, const StepLayout& layout);
   // The step's device work, embedding to LM head; hidden states of the layers `capture` marks
   // copied out as it goes (eager only).

@@ -53,7 +53,7 @@ struct BatchInputs {
   // the batch as consecutive sequences of at most that many rows, its pieces. Piece k's committed
   // length counts the rows of the pieces before it, whose KV each layer appends before it
   // attends, so the tree attention takes a piece as it takes any sequence; a backend with a
-  // prefill path joins the pieces again.
+  // prefill path joins the pieces again. Such long chains come after every other sequence.
   std::vector<bool> chain;            // [sequences] the rows form a chain
   std::vector<bool> continues_chain;  // [sequences] a second or later piece of one chain
   // capture_layer[l] for l in 0..num_hidden_layers: return layer l's hidden states (0 = the

@@ -3,7 +3,9 @@
 // directly on the committed prefix.
 //
 // A tree holds at most kernels::kMaxSegmentRows nodes (the width of its ancestor masks); a chain
-// up to kMaxChainRows, since it needs no mask (each node sees every node before it).
+// up to kMaxChainRows: each node sees every node before it, so a long chain goes to the
+// attention as pieces of at most kMaxSegmentRows rows, each masked as a chain of its own
+// (ChainMask) on top of the pieces before it.
 //
 //   TV_ASSIGN_OR_RETURN(SegmentTree tree, SegmentTree::Build(parents));
 //   position of node i = committed_length + tree.depth[i]
@@ -33,6 +35,8 @@ struct SegmentTree {
   static std::vector<int32_t> ChainParents(int32_t n);
   // Whether parents are -1, 0, 1, ..., n-2 (n >= 1).
   static bool IsChain(absl::Span<const int32_t> parents);
+  // The ancestor masks of a chain of n nodes, 1 <= n <= kMaxSegmentRows: node i sees 0..i.
+  static std::vector<uint64_t> ChainMask(int32_t n);
   // Nodes 0, 1, ..., n-1: committing them keeps a whole chain.
   static std::vector<int32_t> AllNodes(int64_t n);
 };

@@ -10,19 +10,18 @@
 // replay it:
 //   1. grouping (one block; three kernels over chunks of entries for prefill batches): each local
 //      expert's (token, slot) pairs in token order, and the list of active experts;
-//   2. gate and up (a warp per row pair, gate in one half, up in the other): silu(gate . x) *
-//      (up . x) for the expert's tokens;
-//   3. down (a group of 4 lanes per row, 8 rows per warp): the expert's output per (token, slot);
-//   4. combine (a block per token and 256 columns): sum of the weighted outputs in ascending expert
-//   id, then
-//      the shared experts' output.
-// From 512 tokens on (prefill), steps 2 and 3 are a grouped GEMM over tiles of 64 pairs of one
-// expert (mma.sync, cp.async stages), the tiles listed by the grouping. Otherwise steps 2 and 3
-// stream only the active experts' weights, each row once per pass of up to 8 tokens,
-// in blocks that loop over (active expert, row tile) work items, with 8 chunks of 16 bytes per
-// lane in flight (bench/NOTES.md, step 79: 1.3 and 0.9 TB/s so far). At verify sizes (a few tokens
-// per expert) the phase is a weight-streaming problem: its floor is the active experts' bytes over
-// the copy bandwidth. No atomics anywhere: the bytes do not depend on scheduling.
+//   2. gate and up: silu(gate . x) * (up . x) for the expert's tokens (tensor cores where the
+//      reductions come in 32-element chunks, CUDA cores otherwise);
+//   3. down: the expert's output per (token, slot);
+//   4. combine (a block per token and 256 columns): sum of the weighted outputs in ascending
+//      expert id, then the shared experts' output.
+// From 512 tokens on (prefill chunks, or verify batches as large), steps 2 and 3 are a grouped
+// GEMM over tiles of 64 pairs of one expert (mma.sync, cp.async stages), the tiles listed by the
+// grouping. Otherwise steps 2 and 3 stream only the active experts' weights, each row once per
+// pass of up to 8 tokens, in blocks that loop over (active expert, row tile) work items, with 8
+// chunks of 16 bytes per lane in flight. At verify sizes (a few tokens per expert) the phase is a
+// weight-streaming problem: its floor is the active experts' bytes over the copy bandwidth. No
+// global atomics anywhere: the bytes do not depend on scheduling.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);
