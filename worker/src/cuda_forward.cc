@@ -629,7 +629,8 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   TV_RETURN_IF_ERROR(ProjectQueries(w, layout.rows));
   TV_RETURN_IF_ERROR(AppendNewRows(layer_index, layout.rows));
   // Trees and short chains in the absorbed form (the sequences before the first long chain),
-  // then the long chains in the MHA form (their rows' values overwrite the absorbed pass's).
+  // then the long chains in the MHA form (their rows' values overwrite the absorbed pass's). In
+  // this order: the MHA form rotates q_pe in place, which the absorbed form reads unrotated.
   const int32_t absorbed = AbsorbedSequences(layout.sequences);
   if (absorbed > 0) {
     StepLayout absorbed_layout = layout;
@@ -918,9 +919,11 @@ absl::Status CudaForward::ReservePrefill(const BatchInputs& batch) {
 std::vector<CudaForward::PrefillChain> CudaForward::PrefillChainsOf(
     const BatchInputs& batch) const {
   const ModelConfig& c = weights_.config;
+  // The kernels take the cache rows and their rope part in 16-byte units.
   if (!cuda::MhaPrefillSupported(static_cast<int32_t>(c.qk_nope_head_dim),
                                  static_cast<int32_t>(c.qk_rope_head_dim),
-                                 static_cast<int32_t>(c.v_head_dim))) {
+                                 static_cast<int32_t>(c.v_head_dim)) ||
+      c.kv_lora_rank % 8 != 0 || c.kv_row_dim() % 8 != 0) {
     return {};
   }
   // Join the pieces; keep the chains longer than a tree, which ModelRunner puts last.

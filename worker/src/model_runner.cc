@@ -117,9 +117,8 @@ absl::Status ModelRunner::PrepareSegment(const SegmentInput& input, SegmentOutpu
   if (nodes > 0 && !chain) {
     if (nodes > kernels::kMaxSegmentRows) {
       return absl::InvalidArgumentError(
-          absl::StrCat("a segment of ", nodes,
-                       " nodes must be a chain (parents -1, 0, 1, ...); a tree holds at ", "most ",
-                       kernels::kMaxSegmentRows));
+          absl::StrCat("a segment of ", nodes, " nodes must be a chain (parents -1, 0, 1, ...); ",
+                       "a tree holds at most ", kernels::kMaxSegmentRows));
     }
     TV_ASSIGN_OR_RETURN(tree, SegmentTree::Build(input.parents));
   }
