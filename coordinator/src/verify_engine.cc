@@ -80,9 +80,10 @@ absl::Status VerifyEngineOptions::Validate() const {
                                                    kernels::kMaxSegmentRows - 1, "], got ",
                                                    max_draft_nodes));
   }
-  if (prefill_chunk < 1 || prefill_chunk > worker::kMaxChainRows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefill_chunk must be in [1, ", worker::kMaxChainRows, "], got ", prefill_chunk));
+  if (prefill_chunk < 0 || prefill_chunk > worker::kMaxChainRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_chunk must be in [1, ", worker::kMaxChainRows,
+                     "], or 0 for the ranks' backend's default; got ", prefill_chunk));
   }
   if (max_batch_rows < kernels::kMaxSegmentRows) {
     return absl::InvalidArgumentError(absl::StrCat("max_batch_rows must be at least ",
@@ -659,10 +660,15 @@ absl::StatusOr<std::unique_ptr<VerifyEngine>> VerifyEngine::Create(
   info.eos_token_ids = d.eos_token_ids;
   info.num_layers = d.num_layers;
   info.hidden_size = d.hidden_size;
+  VerifyEngineOptions resolved = options;
+  if (resolved.prefill_chunk == 0) {
+    resolved.prefill_chunk = d.backend == "cuda" ? kCudaPrefillChunk : kCpuPrefillChunk;
+  }
+  info.prefill_chunk = resolved.prefill_chunk;
   TV_ASSIGN_OR_RETURN(std::unique_ptr<SessionManager> sessions,
                       SessionManager::Create(options.sessions));
   return std::unique_ptr<VerifyEngine>(new VerifyEngine(
-      std::make_unique<Impl>(options, std::move(ranks), std::move(info), std::move(sessions))));
+      std::make_unique<Impl>(resolved, std::move(ranks), std::move(info), std::move(sessions))));
 }
 
 VerifyEngine::VerifyEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -36,9 +36,9 @@ ABSL_FLAG(int64_t, max_context, 0, "Largest context of a session (0: the model's
 ABSL_FLAG(int64_t, batch_window_us, 300,
           "How long a Verify waits for other sessions' trees to share its forward");
 ABSL_FLAG(int64_t, max_batch_rows, 4096, "Rows of one forward (at least 256)");
-ABSL_FLAG(int32_t, prefill_chunk, 256,
-          "Prompt rows per prefill forward (1..8192); GPU ranks prefill long chunks in the MHA "
-          "form (docs/gpu-worker.md), so give them 2048 or more");
+ABSL_FLAG(int32_t, prefill_chunk, 0,
+          "Prompt rows per prefill forward (1..8192); 0: by the ranks' backend (256 on CPUs, 4096 "
+          "on GPUs, which prefill long chunks in the MHA form: docs/gpu-worker.md)");
 ABSL_FLAG(int64_t, max_sessions, 1024, "Live sessions (more: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int64_t, session_ttl_s, 600, "Idle seconds after which a session expires");
 ABSL_FLAG(int64_t, rank_timeout_s, 60, "Deadline of every call to a rank");
@@ -182,11 +182,13 @@ absl::Status Run(SignalWaiter& signals) {
   verifier.SetEngine(engine.get());
   server.SetServing(true);
   const coordinator::ModelInfo& info = engine->info();
-  std::fprintf(
-      stderr, "%s: SERVING %s (%s, vocab %lld, %d rank(s), group epoch %lld, max context %lld)\n",
-      kProgram, info.model_name.c_str(), info.model_type.c_str(),
-      static_cast<long long>(info.vocab_size), info.world_size,
-      static_cast<long long>(group->group_epoch), static_cast<long long>(info.max_context_length));
+  std::fprintf(stderr,
+               "%s: SERVING %s (%s, vocab %lld, %d %s rank(s), group epoch %lld, max context %lld, "
+               "prefill chunks of %d)\n",
+               kProgram, info.model_name.c_str(), info.model_type.c_str(),
+               static_cast<long long>(info.vocab_size), info.world_size, info.backend.c_str(),
+               static_cast<long long>(group->group_epoch),
+               static_cast<long long>(info.max_context_length), info.prefill_chunk);
 
   // Watch the engine: a lost rank makes the replica NOT_SERVING (the process stays up).
   bool serving = true;

@@ -156,14 +156,18 @@ TEST(VerifyEngineTest, SeedsMatterAndTopKRestricts) {
   EXPECT_EQ(top1.tokens, greedy.tokens);
 }
 
-// A rank client that records the size of every segment of every forward, then forwards.
+// A rank client that records the size of every segment of every forward, then forwards; it may
+// describe its rank as another backend's.
 class RecordingRankClient final : public coordinator::RankClient {
  public:
   RecordingRankClient(std::unique_ptr<coordinator::RankClient> rank,
-                      std::vector<std::vector<size_t>>* forwards, absl::Mutex* mu)
-      : rank_(std::move(rank)), forwards_(forwards), mu_(mu) {}
+                      std::vector<std::vector<size_t>>* forwards, absl::Mutex* mu,
+                      std::string backend = "")
+      : rank_(std::move(rank)), forwards_(forwards), mu_(mu), backend_(std::move(backend)) {}
   absl::StatusOr<coordinator::RankDescription> Describe(absl::Duration timeout) override {
-    return rank_->Describe(timeout);
+    absl::StatusOr<coordinator::RankDescription> description = rank_->Describe(timeout);
+    if (description.ok() && !backend_.empty()) description->backend = backend_;
+    return description;
   }
   absl::StatusOr<worker::ForwardResult> Forward(const worker::ForwardRequest& request,
                                                 absl::Duration timeout) override {
@@ -183,7 +187,42 @@ class RecordingRankClient final : public coordinator::RankClient {
   std::unique_ptr<coordinator::RankClient> rank_;
   std::vector<std::vector<size_t>>* forwards_;  // rank 0's only
   absl::Mutex* mu_;
+  std::string backend_;
 };
+
+// With prefill_chunk 0 (the default) the prompt chunks follow the ranks' backend: a tree's size
+// on CPUs, kCudaPrefillChunk on GPUs (whose MHA form pays for long chunks).
+TEST(VerifyEngineTest, DefaultPrefillChunkFollowsTheRanksBackend) {
+  for (const std::string backend : {"cpu", "cuda"}) {
+    SCOPED_TRACE(backend);
+    auto model = LocalModel::Create(ModelDir(), {.kv_page_size = 16});
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<std::vector<size_t>> forwards;
+    absl::Mutex mu;
+    std::vector<std::unique_ptr<coordinator::RankClient>> ranks;
+    for (auto& rank : (*model)->RankClients()) {
+      ranks.push_back(
+          std::make_unique<RecordingRankClient>(std::move(rank), &forwards, &mu, backend));
+    }
+    auto engine = VerifyEngine::Create({}, std::move(ranks));
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->info().backend, backend);
+    EXPECT_EQ((*engine)->info().prefill_chunk,
+              backend == "cuda" ? kCudaPrefillChunk : kCpuPrefillChunk);
+    std::vector<int32_t> prompt(600);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(2 + i % 50);
+    const GenerateResult result = Generate(**engine, prompt, "none", {}, {}, 2);
+    EXPECT_EQ(result.tokens.size(), 2u);
+    absl::MutexLock lock(&mu);
+    ASSERT_GE(forwards.size(), 2u);
+    const std::vector<std::vector<size_t>> chunks(forwards.begin(), forwards.end() - 1);
+    if (backend == "cuda") {
+      EXPECT_EQ(chunks, (std::vector<std::vector<size_t>>{{600}}));
+    } else {
+      EXPECT_EQ(chunks, (std::vector<std::vector<size_t>>{{256}, {256}, {88}}));
+    }
+  }
+}
 
 // Prompt chunks and draft trees never share a forward (docs/gpu-worker.md, "Prefill": a GPU
 // rank prefills a forward of chains in the MHA form, and replays trees from graphs), while

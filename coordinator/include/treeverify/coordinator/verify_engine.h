@@ -27,6 +27,12 @@
 
 namespace treeverify::coordinator {
 
+// Default prompt chunks. CPU ranks: a tree's size. GPU ranks: long enough for the MHA form to pay
+// (bench/results/2026-11-30-prefill.md), short enough that a chunk's forward does not hold other
+// sessions' steps for long (about 0.3 s for a 4096-row chunk at 46k on one TP8 rank of Kimi-K2).
+inline constexpr int32_t kCpuPrefillChunk = 256;
+inline constexpr int32_t kCudaPrefillChunk = 4096;
+
 struct VerifyEngineOptions {
   std::string model_name = "model";
   int32_t max_draft_nodes = 255;   // at most kernels::kMaxSegmentRows - 1
@@ -36,7 +42,10 @@ struct VerifyEngineOptions {
   // bf16 hidden states one step may ask for, and one Forward's answer from rank 0 may carry
   // (kept below the gRPC message limit, 64 MiB by default).
   int64_t max_hidden_state_bytes = int64_t{32} << 20;
-  int32_t prefill_chunk = 256;  // rows per prefill forward, at most worker::kMaxChainRows
+  // Prompt rows per prefill forward, at most worker::kMaxChainRows; 0: by the ranks' backend
+  // (kCpuPrefillChunk, or kCudaPrefillChunk for GPU ranks, which prefill long chunks in the MHA
+  // form). The engine's info() says which.
+  int32_t prefill_chunk = 0;
   absl::Duration rank_timeout = absl::Seconds(60);
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are expired
   SessionManagerOptions sessions;

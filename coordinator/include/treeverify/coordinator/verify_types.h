@@ -19,6 +19,7 @@ struct ModelInfo {
   int32_t max_draft_nodes = 0;
   int32_t world_size = 0;
   std::string backend;
+  int32_t prefill_chunk = 0;  // prompt rows per prefill forward
   std::vector<int32_t> eos_token_ids;
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
