@@ -152,9 +152,8 @@ BatchInputs MakeChainBatch(int64_t committed, int64_t rows, const ModelConfig& c
   for (int64_t first = 0; first < rows; first += kernels::kMaxSegmentRows) {
     const int32_t n =
         static_cast<int32_t>(std::min<int64_t>(kernels::kMaxSegmentRows, rows - first));
-    const SegmentTree piece = *SegmentTree::Build(SegmentTree::ChainParents(n));
-    b.ancestor_mask.insert(b.ancestor_mask.end(), piece.ancestor_mask.begin(),
-                           piece.ancestor_mask.end());
+    const std::vector<uint64_t> mask = SegmentTree::ChainMask(n);
+    b.ancestor_mask.insert(b.ancestor_mask.end(), mask.begin(), mask.end());
     b.row_offsets.push_back(static_cast<int32_t>(first + n));
     b.committed_lengths.push_back(static_cast<int32_t>(committed + first));
     b.sampling.push_back(SegmentSampling{});

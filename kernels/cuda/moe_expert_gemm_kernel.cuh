@@ -19,6 +19,7 @@
 #include "element_convert.cuh"
 #include "mma_sync_primitives.cuh"
 #include "moe_workspace.cuh"
+#include "silu_times_up.cuh"
 #include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
@@ -158,10 +159,8 @@ __global__ void __launch_bounds__(kGemmThreads)
         Bf16* out = w.activated + int64_t{first + r} * p.intermediate + weight_row0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
-          const float gate = acc[mi][j][i];
-          const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
-          out[b_row[j] + 2 * t + (i & 1)] = FromFloat<Bf16>(__fmul_rn(silu, acc[mi][j + 4][i]));
+          out[b_row[j] + 2 * t + (i & 1)] =
+              FromFloat<Bf16>(SiluTimesUp(acc[mi][j][i], acc[mi][j + 4][i]));
         }
       } else {
         float* out = w.expert_out + int64_t{w.pair_entry[first + r]} * p.hidden + weight_row0;

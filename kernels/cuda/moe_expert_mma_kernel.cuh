@@ -18,6 +18,7 @@
 #include "element_convert.cuh"
 #include "mma_sync_primitives.cuh"
 #include "moe_workspace.cuh"
+#include "silu_times_up.cuh"
 #include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
@@ -166,11 +167,8 @@ __global__ void __launch_bounds__(kMmaThreads)
               sums[p.intermediate + row] = acc[1][i];
               continue;
             }
-            // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
-            const float gate = acc[0][i];
-            const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
             w.activated[int64_t{pass + token} * p.intermediate + row] =
-                FromFloat<Bf16>(__fmul_rn(silu, acc[1][i]));
+                FromFloat<Bf16>(SiluTimesUp(acc[0][i], acc[1][i]));
           } else {
             w.expert_out[int64_t{w.pair_entry[pass + token]} * p.hidden + row] = acc[0][i];
           }
@@ -194,8 +192,7 @@ __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int3
     gate = __fadd_rn(gate, sums[part * stride]);
     up = __fadd_rn(up, sums[part * stride + p.intermediate]);
   }
-  const float silu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(-gate)));
-  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(__fmul_rn(silu, up));
+  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(SiluTimesUp(gate, up));
 }
 
 // Warps sharing a tile's reduction: enough that each still streams at least 8 chunks (16 KB of

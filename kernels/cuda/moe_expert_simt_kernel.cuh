@@ -11,6 +11,7 @@
 
 #include "element_convert.cuh"
 #include "moe_workspace.cuh"
+#include "silu_times_up.cuh"
 #include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
@@ -139,10 +140,8 @@ __global__ void __launch_bounds__(kThreads)
         const float value = GroupSum<kGateUpLanes>(acc[t]);
         const float up_value = __shfl_sync(0xffffffffu, value, kGateUpLanes);
         if (lane == 0) {
-          // As SiluMul: g / (1 + exp(-g)) in fp32, times up.
-          const float silu = __fdiv_rn(value, __fadd_rn(1.0f, expf(-value)));
           w.activated[int64_t{pass + t} * p.intermediate + i] =
-              FromFloat<Bf16>(__fmul_rn(silu, up_value));
+              FromFloat<Bf16>(SiluTimesUp(value, up_value));
         }
       }
     }

@@ -926,30 +926,24 @@ std::vector<CudaForward::PrefillChain> CudaForward::PrefillChainsOf(
       c.kv_lora_rank % 8 != 0 || c.kv_row_dim() % 8 != 0) {
     return {};
   }
-  // Join the pieces; keep the chains longer than a tree, which ModelRunner puts last.
+  // A chain longer than a tree is exactly a sequence that later pieces continue; ModelRunner puts
+  // such chains after every other sequence (if they are not, every sequence stays absorbed).
   std::vector<PrefillChain> chains;
   for (int32_t s = 0; s < batch.sequences(); ++s) {
     const int32_t rows = batch.row_offsets[s + 1] - batch.row_offsets[s];
-    if (batch.continues_chain[s] && !chains.empty()) {
+    if (batch.continues_chain[s]) {
+      if (chains.empty()) return {};  // a piece without its first: not a ModelRunner batch
       chains.back().rows += rows;
       chains.back().keys += rows;
-      continue;
+    } else if (s + 1 < batch.sequences() && batch.continues_chain[s + 1]) {
+      chains.push_back({.row_begin = batch.row_offsets[s],
+                        .rows = rows,
+                        .keys = batch.committed_lengths[s] + rows,
+                        .sequence = s});
+    } else if (!chains.empty()) {
+      return {};  // a short sequence after a long chain
     }
-    chains.push_back({.row_begin = batch.row_offsets[s],
-                      .rows = rows,
-                      .keys = batch.committed_lengths[s] + rows,
-                      .sequence = s,
-                      .chain = static_cast<bool>(batch.chain[s])});
   }
-  size_t first_long = chains.size();
-  while (first_long > 0 && chains[first_long - 1].chain &&
-         chains[first_long - 1].rows > kernels::kMaxSegmentRows) {
-    --first_long;
-  }
-  for (size_t i = 0; i < first_long; ++i) {
-    if (chains[i].chain && chains[i].rows > kernels::kMaxSegmentRows) return {};  // not last
-  }
-  chains.erase(chains.begin(), chains.begin() + static_cast<std::ptrdiff_t>(first_long));
   return chains;
 }
 

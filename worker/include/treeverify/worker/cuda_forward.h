@@ -123,7 +123,6 @@ class CudaForward final : public ForwardBackend {
     int32_t rows = 0;
     int32_t keys = 0;
     int32_t sequence = 0;  // its first piece
-    bool chain = true;     // (while joining pieces: false for a tree)
   };
   // Keys per up-projection GEMM: the GEMMs' shapes (and cuBLASLt plans) stay few whatever the
   // context, each block's rows rounded up to kPrefillKeyAlign.
