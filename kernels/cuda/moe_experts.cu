@@ -2,8 +2,9 @@
 //
 // Roofline per layer at verify sizes: the active experts' weights, 3 * hidden * intermediate * 2
 // bytes each (11 MB per Kimi-K2 expert slice under TP8 split inside, 88 MB per whole expert),
-// read once per pass of up to 8 tokens; activations are a rounding error beside them. The expert
-// kernels: moe_expert_mma_kernel.cuh (tensor cores), moe_expert_simt_kernel.cuh (CUDA cores).
+// read once per group of up to 16 tokens; activations are a rounding error beside them. The expert
+// kernels: moe_expert_stream_kernel.cuh (tensor cores), moe_expert_simt_kernel.cuh (CUDA cores:
+// odd shapes, devices before sm_80).
 // At prefill sizes (kGemmMinTokens and more) the projections are compute: a grouped GEMM
 // (moe_expert_gemm_kernel.cuh) reads each expert's weights once per 64 of its tokens. The
 // grouping: moe_grouping.cuh.
@@ -11,8 +12,8 @@
 
 #include "element_convert.cuh"
 #include "moe_expert_gemm_kernel.cuh"
-#include "moe_expert_mma_kernel.cuh"
 #include "moe_expert_simt_kernel.cuh"
+#include "moe_expert_stream_kernel.cuh"
 #include "moe_grouping.cuh"
 #include "moe_workspace.cuh"
 #include "treeverify/kernels/cuda/cuda_status.h"
@@ -24,7 +25,7 @@ namespace {
 using moe::Carve;
 using moe::DownKernel;
 using moe::ExpertGemmKernel;
-using moe::ExpertMmaKernel;
+using moe::ExpertStreamKernel;
 using moe::GateUpKernel;
 using moe::GroupKernel;
 using moe::kGroupThreads;
@@ -98,10 +99,12 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const bool x_vectorized = p.hidden % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   const bool down_vectorized = p.intermediate % 8 == 0;
-  int device = 0, multiprocessors = 0;
+  int device = 0, multiprocessors = 0, compute_major = 0;
   TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   TV_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&compute_major, cudaDevAttrComputeCapabilityMajor, device));
   // Enough blocks to cover the machine several times; the items they loop over depend on the
   // routing, read on the device.
   const int max_blocks = multiprocessors * 8;
@@ -137,8 +140,9 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   // Tensor cores where both reductions come in 32-element chunks of aligned rows (every
   // production shape); the CUDA-core kernels otherwise.
-  const bool mma_path = p.hidden % moe::kMmaChunk == 0 && p.intermediate % moe::kMmaChunk == 0 &&
-                        reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  const bool stream_path = compute_major >= 8 && p.hidden % moe::kStreamChunk == 0 &&
+                           p.intermediate % moe::kStreamChunk == 0 &&
+                           reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
   // per 64 of its tokens rather than per 8.
   if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
@@ -161,18 +165,25 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
         <<<static_cast<unsigned>(down_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
             p, w, static_cast<int32_t>(max_tiles));
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  } else if (mma_path) {
+  } else if (stream_path) {
     const int32_t parts = moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden);
-    const int32_t up_split = moe::MmaSplit(p.hidden / parts);
-    const int32_t down_split = moe::MmaSplit(p.intermediate);
-    const int64_t up_tiles = (p.intermediate + moe::kMmaRows - 1) / moe::kMmaRows;
-    const int64_t down_tiles = (p.hidden + moe::kMmaRows - 1) / moe::kMmaRows;
-    const int32_t up_item_tiles = moe::kMmaWarps / up_split;
-    const int32_t down_item_tiles = moe::kMmaWarps / down_split;
-    const int64_t up_items = most_active * ((up_tiles + up_item_tiles - 1) / up_item_tiles) * parts;
-    const int64_t down_items = most_active * ((down_tiles + down_item_tiles - 1) / down_item_tiles);
-    ExpertMmaKernel<true, 4><<<static_cast<unsigned>(std::min<int64_t>(max_blocks, up_items)),
-                               moe::kMmaThreads, 0, stream>>>(p, w, up_split, up_item_tiles, parts);
+    using moe::StreamWalk;
+    const int64_t up_items =
+        most_active *
+        ((p.intermediate + StreamWalk::RowsPerTile(true) - 1) / StreamWalk::RowsPerTile(true)) *
+        parts;
+    const int64_t down_items = most_active * ((p.hidden + StreamWalk::RowsPerTile(false) - 1) /
+                                              StreamWalk::RowsPerTile(false));
+    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertStreamKernel<true>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 moe::kStreamSmemBytes));
+    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertStreamKernel<false>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 moe::kStreamSmemBytes));
+    // Two persistent blocks per multiprocessor (their shared memory fills it).
+    const int64_t blocks = 2 * int64_t{multiprocessors};
+    ExpertStreamKernel<true><<<static_cast<unsigned>(std::min<int64_t>(blocks, up_items)),
+                               moe::kStreamThreads, moe::kStreamSmemBytes, stream>>>(p, w, parts);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (parts > 1) {
       const int64_t values = entries * p.intermediate;
@@ -180,9 +191,8 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
                                                                                          parts);
       TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
-    ExpertMmaKernel<false, 4>
-        <<<static_cast<unsigned>(std::min<int64_t>(max_blocks, down_items)), moe::kMmaThreads, 0,
-           stream>>>(p, w, down_split, down_item_tiles, 1);
+    ExpertStreamKernel<false><<<static_cast<unsigned>(std::min<int64_t>(blocks, down_items)),
+                                moe::kStreamThreads, moe::kStreamSmemBytes, stream>>>(p, w, 1);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else {
     const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);

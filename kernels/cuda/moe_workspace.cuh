@@ -29,9 +29,9 @@ inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Blocks that share one gate/up tile's reduction (the weight-streaming kernel), each writing its
 // partial sums for FinishGateUp to add in part order. A verify step under split inside has few
-// active experts of few rows (16-row tiles of 256 columns): one block per tile left most of the
-// machine idle in a second wave (bench/NOTES.md, step 87). Long reductions and few pairs only,
-// so the partials stay small.
+// active experts of few rows (16-row tiles of 256 columns): 30 experts make 480 tiles, too few
+// to share out evenly among the blocks (bench/NOTES.md, steps 87 and 89). Long reductions and few
+// pairs only, so the partials stay small.
 inline constexpr int64_t kMaxPartedPairs = 4096;
 inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
   return hidden >= 4096 && intermediate <= 512 && tokens * top_k <= kMaxPartedPairs ? 4 : 1;

@@ -17,11 +17,12 @@
 //      expert id, then the shared experts' output.
 // From 512 tokens on (prefill chunks, or verify batches as large), steps 2 and 3 are a grouped
 // GEMM over tiles of 64 pairs of one expert (mma.sync, cp.async stages), the tiles listed by the
-// grouping. Otherwise steps 2 and 3 stream only the active experts' weights, each row once per
-// pass of up to 8 tokens, in blocks that loop over (active expert, row tile) work items, with 8
-// chunks of 16 bytes per lane in flight. At verify sizes (a few tokens per expert) the phase is a
-// weight-streaming problem: its floor is the active experts' bytes over the copy bandwidth. No
-// global atomics anywhere: the bytes do not depend on scheduling.
+// grouping. Otherwise steps 2 and 3 stream only the active experts' weights through shared memory
+// (cp.async stages, two persistent blocks per multiprocessor, each a contiguous range of (active
+// expert, row tile, block part) items), each row once per group of up to 16 tokens. At verify
+// sizes (a few tokens per expert) the phase is a weight-streaming problem: its floor is the active
+// experts' bytes over the copy bandwidth. No global atomics anywhere: the bytes do not depend on
+// scheduling.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);
