@@ -42,7 +42,8 @@ inline constexpr int kStreamChunk = 32;                          // reduction el
 inline constexpr int kStreamCols = kStreamChunk * kStreamWarps;  // per stage: 256
 inline constexpr int kStreamRows = 32;                           // weight row segments per stage
 // Token rows per stage (two mma passes of N = 8) and stages: 16 and 3 measured faster than 8 and
-// 4 at every tree size (bench/NOTES.md, step 89), and two blocks still fit a multiprocessor.
+// 4 at 1, 16 and 64 nodes (bench/NOTES.md, step 89), and two blocks still fit an sm_90
+// multiprocessor.
 inline constexpr int kStreamTokens = 16;
 inline constexpr int kStreamPasses = kStreamTokens / 8;
 inline constexpr int kStreamStages = 3;
@@ -101,8 +102,9 @@ struct StreamWalk {
 
   __device__ bool LastOfGroup() const { return k0 + kStreamCols >= k_end; }
 
-  // Advances to the next stage; false past the block's last.
+  // Advances to the next stage; false past the block's last, and from then on.
   __device__ bool Next(const Workspace& w) {
+    if (done) return false;
     first_of_group = false;
     if (started && k0 + kStreamCols < k_end) {
       k0 += kStreamCols;
@@ -117,7 +119,10 @@ struct StreamWalk {
     }
     // The next item; an item of an empty part range (more parts than chunks) has no stages.
     do {
-      if (items_left-- <= 0) return false;
+      if (items_left-- <= 0) {
+        done = true;  // k_end may hold a skipped item's: the branches above must not see it
+        return false;
+      }
       if (++part == parts) {
         part = 0;
         if (++tile == tiles) {
@@ -145,6 +150,7 @@ struct StreamWalk {
  private:
   int32_t counted_active = 0;  // the count's active expert (`active` once loaded)
   bool started = false;
+  bool done = false;
 };
 
 // 16 bytes of shared memory by shared-space address.
@@ -175,9 +181,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Copies: warp w copies row segments w, w + 8, ... of each stage (the last turn: token row w),
-  // lane l the 16 bytes at column 8l. Row pointers change with the item, the token's with the
-  // group.
+  // Copies: warp w copies row segments w, w + 8, ... of each stage (weights, then token rows w,
+  // w + 8), lane l the 16 bytes at column 8l. Row pointers change with the item, the tokens'
+  // with the group.
   StreamWalk fetch(p, w, block_parts, kGateUp);
   constexpr int kWeightTurns = kStreamRows / kStreamWarps;
   const Bf16* weight_rows[kWeightTurns] = {};
@@ -283,10 +289,10 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
         }
       }
     }
+    // At a group's last stage, the warps' partial tiles, added in warp order by thread (pass,
+    // accumulator, lane) of the first 4 * kStreamPasses warps. The next stage's __syncthreads
+    // keeps the buffer until they have read it.
     if (!walk.LastOfGroup()) continue;
-      // The warps' partial tiles, added in warp order by thread (pass, accumulator, lane) of
-      // the first 4 * kStreamPasses warps. The next stage's __syncthreads keeps the buffer until
-      // they have read it.
 #pragma unroll
     for (int pass = 0; pass < kStreamPasses; ++pass) {
 #pragma unroll

@@ -35,7 +35,7 @@ using moe::Workspace;
 
 // From this many tokens the expert projections run as a grouped GEMM (a prefill chunk's batch);
 // below, as weight streams (a verify step's). At 512 tokens of Kimi-K2's top-8 of 384 experts an
-// expert has ~11 tokens: two passes of the streaming kernels, one 64-pair tile here.
+// expert has ~11 tokens: one group of the streaming kernel, one 64-pair tile here.
 constexpr int64_t kGemmMinTokens = 512;
 
 // out[t] = sum over the token's local experts, ascending id, of weight * output; then + shared.
@@ -138,13 +138,13 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
-  // Tensor cores where both reductions come in 32-element chunks of aligned rows (every
-  // production shape); the CUDA-core kernels otherwise.
+  // Tensor cores on sm_80 and later where both reductions come in 32-element chunks of aligned
+  // rows (every production shape); the CUDA-core kernels otherwise.
   const bool stream_path = compute_major >= 8 && p.hidden % moe::kStreamChunk == 0 &&
                            p.intermediate % moe::kStreamChunk == 0 &&
                            reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
-  // per 64 of its tokens rather than per 8.
+  // per 64 of its tokens rather than per 16.
   if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
       reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
     const int64_t max_tiles = moe::MaxGemmTiles(entries, p.num_local_experts);
@@ -180,8 +180,13 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertStreamKernel<false>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  moe::kStreamSmemBytes));
-    // Two persistent blocks per multiprocessor (their shared memory fills it).
-    const int64_t blocks = 2 * int64_t{multiprocessors};
+    // Persistent blocks, as many as fit a multiprocessor at once (two on sm_90 and sm_100, whose
+    // shared memory they fill; one on sm_120 and sm_8x), so the contiguous item ranges run in
+    // one wave.
+    int per_multiprocessor = 0;
+    TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_multiprocessor, ExpertStreamKernel<true>, moe::kStreamThreads, moe::kStreamSmemBytes));
+    const int64_t blocks = std::max(1, per_multiprocessor) * int64_t{multiprocessors};
     ExpertStreamKernel<true><<<static_cast<unsigned>(std::min<int64_t>(blocks, up_items)),
                                moe::kStreamThreads, moe::kStreamSmemBytes, stream>>>(p, w, parts);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());

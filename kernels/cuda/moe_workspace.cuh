@@ -31,7 +31,8 @@ inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // partial sums for FinishGateUp to add in part order. A verify step under split inside has few
 // active experts of few rows (16-row tiles of 256 columns): 30 experts make 480 tiles, too few
 // to share out evenly among the blocks (bench/NOTES.md, steps 87 and 89). Long reductions and few
-// pairs only, so the partials stay small.
+// pairs only, so the partials stay small; a reduction of 4096 or more has 128 chunks of 32, so
+// every part has columns (FinishGateUp reads every part's sums).
 inline constexpr int64_t kMaxPartedPairs = 4096;
 inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
   return hidden >= 4096 && intermediate <= 512 && tokens * top_k <= kMaxPartedPairs ? 4 : 1;

@@ -512,8 +512,11 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // Reductions split across blocks in parts that end inside a 256-element stage (130
            // chunks of 32 in parts of 33), and a down reduction shorter than a stage.
            ExpertsCase{12, 4160, 96, 4, 8, 0, 8, false},
-           // ~133 pairs per expert: the weight stream's token groups of 16, the last partial.
+           // ~133 pairs per expert: the weight stream's token groups of 16, the last partial;
+           // then with gate/up in block parts and several down items per block, so a block
+           // steps from an item's last group to the next item's first.
            ExpertsCase{200, 256, 64, 4, 6, 0, 6, false},
+           ExpertsCase{200, 7168, 64, 4, 6, 0, 6, false},
            // Prefill sizes (512 tokens or more): the grouped GEMM, full and partial 64-pair
            // tiles, in both shardings.
            ExpertsCase{600, 256, 128, 4, 12, 0, 12, true},

@@ -10,8 +10,8 @@
 // replay it:
 //   1. grouping (one block; three kernels over chunks of entries for prefill batches): each local
 //      expert's (token, slot) pairs in token order, and the list of active experts;
-//   2. gate and up: silu(gate . x) * (up . x) for the expert's tokens (tensor cores where the
-//      reductions come in 32-element chunks, CUDA cores otherwise);
+//   2. gate and up: silu(gate . x) * (up . x) for the expert's tokens (tensor cores on sm_80 and
+//      later where the reductions come in 32-element chunks, CUDA cores otherwise);
 //   3. down: the expert's output per (token, slot);
 //   4. combine (a block per token and 256 columns): sum of the weighted outputs in ascending
 //      expert id, then the shared experts' output.
@@ -46,7 +46,9 @@ absl::Status MoeRouting(const MoeRoutingParams& params, cudaStream_t stream);
 int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_local_experts,
                                  int64_t intermediate, int64_t hidden);
 
-// gate_proj, up_proj and down_proj are device arrays of device pointers. workspace holds at
+// gate_proj, up_proj and down_proj are device arrays of device pointers, each expert's matrix
+// 16-byte aligned (the streams copy 16-byte pieces; the device arrays cannot be checked from the
+// host, cudaMalloc's alignment is 256). workspace holds at
 // least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
 // is set, the number of local experts with tokens is written there (step accounting).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
