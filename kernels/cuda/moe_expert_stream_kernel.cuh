@@ -57,7 +57,7 @@ inline constexpr int kStreamPartialFloats = kStreamWarps * kStreamPasses * 2 * 4
 inline constexpr int kStreamSmemBytes =
     kStreamStages * kStreamStageBytes + kStreamPartialFloats * int{sizeof(float)};
 static_assert(kStreamRows % kStreamWarps == 0 && kStreamTokens % kStreamWarps == 0);  // turns
-static_assert(2 * kStreamSmemBytes <= 226 * 1024);  // two blocks per multiprocessor
+static_assert(2 * kStreamSmemBytes <= 226 * 1024);  // two blocks per sm_90 multiprocessor
 
 // The walk over a block's stages: its items, their token groups, and the stages of each group's
 // reduction range. Two walks per thread, one kStreamStages - 1 stages ahead of the other (copies
