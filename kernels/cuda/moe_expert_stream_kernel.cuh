@@ -72,8 +72,7 @@ struct StreamWalk {
   int64_t tile = 0;
   int64_t row0 = 0, k_begin = 0, k_end = 0, k0 = 0;
   int32_t pairs_begin = 0, pairs_end = 0, group_begin = 0, group_end = 0;
-  bool first_of_group = false;
-  bool gate_up;
+  int rows_per_tile;
 
   __device__ StreamWalk(const MoeExpertsParamsOf<Bf16, Bf16>& p, const Workspace& w,
                         int32_t block_parts, bool is_gate_up)
@@ -83,7 +82,7 @@ struct StreamWalk {
         per_part((chunks + block_parts - 1) / block_parts),
         tiles((rows_total + RowsPerTile(is_gate_up) - 1) / RowsPerTile(is_gate_up)),
         parts(block_parts),
-        gate_up(is_gate_up) {
+        rows_per_tile(RowsPerTile(is_gate_up)) {
     const int64_t items_per_expert = tiles * parts;
     const int64_t items = int64_t{*w.num_active} * items_per_expert;
     const int64_t first = items * blockIdx.x / gridDim.x;
@@ -100,17 +99,16 @@ struct StreamWalk {
     return is_gate_up ? kStreamRows / 2 : kStreamRows;
   }
 
+  __device__ bool FirstOfGroup() const { return k0 == k_begin; }
   __device__ bool LastOfGroup() const { return k0 + kStreamCols >= k_end; }
 
   // Advances to the next stage; false past the block's last, and from then on.
   __device__ bool Next(const Workspace& w) {
     if (done) return false;
-    first_of_group = false;
     if (started && k0 + kStreamCols < k_end) {
       k0 += kStreamCols;
       return true;
     }
-    first_of_group = true;
     if (started && group_end < pairs_end) {
       group_begin = group_end;
       group_end = min(pairs_end, group_begin + kStreamTokens);
@@ -140,7 +138,7 @@ struct StreamWalk {
       k_begin = min(chunks, part * per_part) * kStreamChunk;
       k_end = min(chunks, (part + 1) * per_part) * kStreamChunk;
     } while (k_begin >= k_end);
-    row0 = tile * RowsPerTile(gate_up);
+    row0 = tile * rows_per_tile;
     group_begin = pairs_begin;
     group_end = min(pairs_end, group_begin + kStreamTokens);
     k0 = k_begin;
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     __syncthreads();  // the stage has landed for every thread; the slot refilled next is free
     issue_stage((stage + kStreamStages - 1) % kStreamStages);
     const int count = walk.group_end - walk.group_begin;
-    if (walk.first_of_group) {
+    if (walk.FirstOfGroup()) {
 #pragma unroll
       for (int pass = 0; pass < kStreamPasses; ++pass) {
 #pragma unroll
