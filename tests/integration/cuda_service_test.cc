@@ -6,7 +6,6 @@
 // Gumbel-max winner under the same seed and position (sampling), and a greedy token's log-prob
 // is the CPU's within the tolerance.
 // Runs on the GPU machine (scripts/gpu-check.sh); skipped, saying so, without a GPU.
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/cuda/cuda_test_base.h"
 #include "margin_rule.h"
 #include "test_support.h"
 #include "treeverify/kernels/cuda/device.h"
@@ -150,9 +150,9 @@ TEST_F(CudaServiceTest, EmittedSequencesAreConfirmedByTeacherForcingOnTheCpu) {
 
 // Two worker processes, one GPU each (--gpu defaults to the rank), over NCCL.
 TEST_F(CudaServiceTest, TwoRanksOverNcclAreConfirmedByTeacherForcingOnTwoGpus) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    GTEST_SKIP() << "GPU test skipped: needs 2 GPUs, " << gpus << " visible";
+  if (kernels::cuda::VisibleGpus() < 2) {
+    GTEST_SKIP() << "GPU test skipped: needs 2 GPUs, " << kernels::cuda::VisibleGpus()
+                 << " visible";
   }
   ExpectEmittedSequencesConfirmed(*this, 2);
 }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../kernels/cuda/cuda_test_base.h"
 #include "gtest/gtest.h"
 #include "margin_rule.h"
 #include "treeverify/kernels/cuda/device.h"
@@ -94,20 +95,8 @@ std::vector<int32_t> RandomTokens(int n, int64_t vocab, std::mt19937& rng) {
   return tokens;
 }
 
-class CudaForwardTest : public testing::Test {
+class CudaForwardTest : public kernels::cuda::CudaTest {
  protected:
-  void SetUp() override {
-    absl::StatusOr<kernels::cuda::DeviceInfo> device = kernels::cuda::QueryDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "GPU test skipped: " << device.status();
-  }
-  void RequireTwoGpus() {
-    int gpus = 0;
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-      GTEST_SKIP() << "GPU test skipped: needs 2 GPUs (NCCL puts one rank on each), " << gpus
-                   << " visible";
-    }
-  }
-
   // One GPU rank that keeps a StepAccount of every step.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> MakeAccountingRunner(const std::string& dir,
                                                                            Communicator& solo) {

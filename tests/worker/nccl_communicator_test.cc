@@ -11,58 +11,25 @@
 #include <thread>
 #include <vector>
 
+#include "../kernels/cuda/cuda_test_base.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "treeverify/kernels/cuda/device.h"
 #include "treeverify/worker/rendezvous_store.h"
 
 namespace treeverify::worker {
 namespace {
 
-int VisibleGpus() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
+using kernels::cuda::DeviceBuffer;
+using kernels::cuda::VisibleGpus;
 
-class NcclCommunicatorTest : public testing::Test {
- protected:
-  void SetUp() override {
-    absl::StatusOr<kernels::cuda::DeviceInfo> device = kernels::cuda::QueryDevice(0);
-    if (!device.ok()) GTEST_SKIP() << "GPU test skipped: " << device.status();
-  }
-  void RequireTwoGpus() {
-    if (VisibleGpus() < 2) {
-      GTEST_SKIP() << "GPU test skipped: needs 2 GPUs (NCCL puts one rank on each), "
-                   << VisibleGpus() << " visible";
-    }
-  }
-};
+class NcclCommunicatorTest : public kernels::cuda::CudaTest {};
 
 // Device memory holding `values`, freed at the end of the test.
-class DeviceFloats {
- public:
-  explicit DeviceFloats(const std::vector<float>& values) : count_(values.size()) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&data_), count_ * sizeof(float)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(data_, values.data(), count_ * sizeof(float), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  ~DeviceFloats() { cudaFree(data_); }
-  float* get() const { return data_; }
-  std::vector<float> ToHost() const {
-    std::vector<float> host(count_);
-    EXPECT_EQ(cudaMemcpy(host.data(), data_, count_ * sizeof(float), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    return host;
-  }
-
- private:
-  float* data_ = nullptr;
-  size_t count_ = 0;
-};
+std::unique_ptr<DeviceBuffer<float>> DeviceFloats(const std::vector<float>& values) {
+  auto buffer = std::make_unique<DeviceBuffer<float>>(values.size());
+  buffer->CopyFrom(values);
+  return buffer;
+}
 
 // Captures one all-reduce of data[count] into a graph, launches it `launches` times and waits.
 void ReplayAllReduceFromAGraph(NcclCommunicator& nccl, float* data, int64_t count,
@@ -126,16 +93,16 @@ TEST_F(NcclCommunicatorTest, OneRankIsTheIdentityOnTheDeviceThroughTheHostAndInA
 
   ASSERT_EQ(nccl.device_collectives(), &nccl);
   const std::vector<float> values = {0.5f, 7.0f, -1.0f, 2.0f};
-  DeviceFloats data(values);
+  const auto data = DeviceFloats(values);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_TRUE(nccl.EnqueueAllReduceSum(data.get(), 4, stream).ok());
+  ASSERT_TRUE(nccl.EnqueueAllReduceSum(data->get(), 4, stream).ok());
   ASSERT_TRUE(nccl.WaitForStream(stream).ok());
-  EXPECT_EQ(data.ToHost(), values);
+  EXPECT_EQ(data->ToHost(), values);
 
   // Captured into a graph and replayed twice.
-  ReplayAllReduceFromAGraph(nccl, data.get(), 4, stream, /*launches=*/2);
-  EXPECT_EQ(data.ToHost(), values);
+  ReplayAllReduceFromAGraph(nccl, data->get(), 4, stream, /*launches=*/2);
+  EXPECT_EQ(data->ToHost(), values);
   cudaStreamDestroy(stream);
   EXPECT_TRUE(nccl.health().ok());
 }
@@ -172,11 +139,11 @@ TEST_F(NcclCommunicatorTest, SumsOnTheDeviceAndThroughTheHostOnTwoGpus) {
     NcclCommunicator& nccl = **made;
     std::vector<float> values(1000);
     for (size_t i = 0; i < values.size(); ++i) values[i] = (rank + 1) * 0.25f * i - rank;
-    DeviceFloats data(values);
+    const auto data = DeviceFloats(values);
     cudaStream_t stream = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    ReplayAllReduceFromAGraph(nccl, data.get(), 1000, stream, /*launches=*/1);
-    device_results[rank] = data.ToHost();
+    ReplayAllReduceFromAGraph(nccl, data->get(), 1000, stream, /*launches=*/1);
+    device_results[rank] = data->ToHost();
     host_results[rank] = values;
     ASSERT_TRUE(nccl.AllReduceSum(absl::MakeSpan(host_results[rank])).ok());
     cudaStreamDestroy(stream);
@@ -212,7 +179,7 @@ TEST_F(NcclCommunicatorTest, AStalledPeerIsADeadlineAndAbortsTheGroupOnTwoGpus) 
     SCOPED_TRACE(first_collective ? "the first collective" : "a later collective");
     const std::string prefix = first_collective ? "nccl/1/" : "nccl/2/";
     std::vector<std::unique_ptr<NcclCommunicator>> communicators(2);
-    std::vector<std::unique_ptr<DeviceFloats>> data(2);
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> data(2);
     std::vector<cudaStream_t> streams(2);
     ForEachRank(2, [&](int rank) {
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> made =
@@ -224,7 +191,7 @@ TEST_F(NcclCommunicatorTest, AStalledPeerIsADeadlineAndAbortsTheGroupOnTwoGpus) 
                                    &store);
       ASSERT_TRUE(made.ok()) << made.status();
       communicators[rank] = std::move(*made);
-      data[rank] = std::make_unique<DeviceFloats>(std::vector<float>(256, 1.0f));
+      data[rank] = DeviceFloats(std::vector<float>(256, 1.0f));
       ASSERT_EQ(cudaStreamCreateWithFlags(&streams[rank], cudaStreamNonBlocking), cudaSuccess);
       if (!first_collective) {
         const absl::Status warm =
