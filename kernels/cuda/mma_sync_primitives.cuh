@@ -24,6 +24,13 @@ __device__ inline void CpAsync16(void* smem_dst, const void* global_src, bool va
                : "memory");
 }
 __device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// One arrival on the mbarrier `bar` once this thread's cp.async copies issued so far have landed
+// (.noinc: the barrier's expected count includes it), so a consumer that waits on the barrier
+// sees them.
+__device__ inline void CpAsyncArriveOn(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddress(bar))
+               : "memory");
+}
 // Waits until at most kPending of this thread's committed groups are still in flight.
 template <int kPending>
 __device__ inline void CpAsyncWait() {

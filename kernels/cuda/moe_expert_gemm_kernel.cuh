@@ -1,6 +1,6 @@
 // The MoE expert projections as a grouped GEMM, for batches with many tokens per expert (prefill
-// chunks): the weight-streaming kernel (moe_expert_stream_kernel.cuh) reads an expert's weights
-// once per 16 tokens, right for a verify step's few tokens per expert and 5 times too often for a
+// chunks): the weight-streaming kernel (moe_expert_tma_kernel.cuh) reads an expert's weights
+// once per 32 tokens, right for a verify step's few tokens per expert and too often for a
 // 4096-token chunk's ~85. Here a block owns one tile of up to 64 grouped pairs of one expert and
 // 128 weight rows (gate/up: 64 columns of each), and walks the reduction in stages of 64 elements
 // (three cp.async stages, rows padded by 16 bytes so that ldmatrix is free of bank conflicts). Its

@@ -2,9 +2,9 @@
 //
 // Roofline per layer at verify sizes: the active experts' weights, 3 * hidden * intermediate * 2
 // bytes each (11 MB per Kimi-K2 expert slice under TP8 split inside, 88 MB per whole expert),
-// read once per group of up to 16 tokens; activations are a rounding error beside them. The expert
-// kernels: moe_expert_stream_kernel.cuh (tensor cores), moe_expert_simt_kernel.cuh (CUDA cores:
-// odd shapes, devices before sm_80).
+// read once per group of up to 32 tokens; activations are a rounding error beside them. The expert
+// kernels: moe_expert_tma_kernel.cuh (TMA and tensor cores, sm_90 and later, packed experts),
+// moe_expert_simt_kernel.cuh (CUDA cores: odd shapes, unpacked experts, devices before sm_90).
 // At prefill sizes (kGemmMinTokens and more) the projections are compute: a grouped GEMM
 // (moe_expert_gemm_kernel.cuh) reads each expert's weights once per 64 of its tokens. The
 // grouping: moe_grouping.cuh.
@@ -13,11 +13,13 @@
 #include "element_convert.cuh"
 #include "moe_expert_gemm_kernel.cuh"
 #include "moe_expert_simt_kernel.cuh"
-#include "moe_expert_stream_kernel.cuh"
+#include "moe_expert_tma_kernel.cuh"
 #include "moe_grouping.cuh"
 #include "moe_workspace.cuh"
+#include "tensor_map.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -25,7 +27,7 @@ namespace {
 using moe::Carve;
 using moe::DownKernel;
 using moe::ExpertGemmKernel;
-using moe::ExpertStreamKernel;
+using moe::ExpertTmaKernel;
 using moe::GateUpKernel;
 using moe::GroupKernel;
 using moe::kGroupThreads;
@@ -38,9 +40,10 @@ using moe::Workspace;
 // expert has ~11 tokens: one group of the streaming kernel, one 64-pair tile here.
 constexpr int64_t kGemmMinTokens = 512;
 
-// out[t] = sum over the token's local experts, ascending id, of weight * output; then + shared.
-// Block (token, 256 hidden dims): every thread's top_k loads are independent.
-__global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w) {
+// out[t] = sum over the token's local experts, ascending id, of weight * output (its down parts
+// added in part order); then + shared. Block (token, 256 hidden dims): every thread's top_k loads
+// are independent.
+__global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t down_parts) {
   const int64_t token = blockIdx.y;
   const int64_t h = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (h >= p.hidden) return;
@@ -50,17 +53,105 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w) {
   for (int32_t j = 0; j < p.top_k; ++j) {
     const int32_t local = ids[j] - p.first_expert;
     if (local < 0 || local >= p.num_local_experts) continue;
-    const float value = w.expert_out[(token * p.top_k + j) * p.hidden + h];
+    const float* parts = w.expert_out + (token * p.top_k + j) * p.hidden + h;
+    float value = parts[0];
+    for (int32_t part = 1; part < down_parts; ++part) {
+      value = __fadd_rn(value, parts[part * p.tokens * p.top_k * p.hidden]);
+    }
     sum = __fadd_rn(sum, __fmul_rn(value, weights[j]));
   }
   if (p.shared_out != nullptr) sum = __fadd_rn(sum, p.shared_out[token * p.hidden + h]);
   p.out[token * p.hidden + h] = sum;
 }
 
+// Slots per block of the weight-streaming kernel and blocks per multiprocessor: two blocks where
+// each then has at least 4 slots (sm_90 and sm_100: 5 slots of 20 KB), else one (sm_120's 100 KB
+// of shared memory: 4 slots). Two blocks let one block's stores overlap the other's stream.
+struct TmaPlan {
+  int stages = 0;
+  int blocks_per_multiprocessor = 0;
+};
+absl::StatusOr<TmaPlan> PlanTmaKernels(int device) {
+  int per_multiprocessor = 0, per_block = 0, reserved = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      &per_multiprocessor, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+  const int slot_bytes = moe::TmaSmemBytes(1) - moe::TmaSmemBytes(0);
+  auto stages_with = [&](int blocks) {
+    const int budget = std::min(per_block, per_multiprocessor / blocks - reserved);
+    return std::min(8, (budget - moe::TmaSmemBytes(0)) / slot_bytes);
+  };
+  if (stages_with(2) >= 4) return TmaPlan{stages_with(2), 2};
+  if (stages_with(1) >= 2) return TmaPlan{stages_with(1), 1};
+  return absl::FailedPreconditionError(
+      absl::StrCat("cuda::MoeExperts: ", per_block, " bytes of shared memory per block hold fewer",
+                   " than two weight-streaming slots of ", slot_bytes));
+}
+
+// Gate/up (and FinishGateUp where its reduction is parted) then down, on packed experts; the
+// number of down's parts, for the combine to add.
+absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf16>& p,
+                                               const Workspace& w, int device, int multiprocessors,
+                                               int64_t most_active, cudaStream_t stream) {
+  using moe::ExpertWalk;
+  const int32_t parts = moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden);
+  const int64_t up_rows = ExpertWalk::RowsPerTile(true), down_rows = ExpertWalk::RowsPerTile(false);
+  const int64_t up_items = most_active * ((p.intermediate + up_rows - 1) / up_rows) * parts;
+  const int32_t down_parts = moe::DownParts(p.tokens, p.top_k, p.intermediate, p.hidden);
+  const int64_t down_items = most_active * ((p.hidden + down_rows - 1) / down_rows) * down_parts;
+  // The walk counts items and map rows in 32 bits.
+  const int64_t map_rows = int64_t{p.num_local_experts} * std::max(p.hidden, p.intermediate);
+  if (std::max({up_items, down_items, map_rows + down_rows}) > 0x7fffffff) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::MoeExperts: ", p.num_local_experts, " local experts of ", p.hidden,
+                     " x ", p.intermediate, " make more than 2^31 rows or work items"));
+  }
+  TV_ASSIGN_OR_RETURN(const CUtensorMap gate_map,
+                      MakeBf16TensorMap2d(p.packed_gate, p.num_local_experts * p.intermediate,
+                                          p.hidden, p.hidden, static_cast<int32_t>(up_rows)));
+  TV_ASSIGN_OR_RETURN(const CUtensorMap up_map,
+                      MakeBf16TensorMap2d(p.packed_up, p.num_local_experts * p.intermediate,
+                                          p.hidden, p.hidden, static_cast<int32_t>(up_rows)));
+  TV_ASSIGN_OR_RETURN(
+      const CUtensorMap down_map,
+      MakeBf16TensorMap2d(p.packed_down, p.num_local_experts * p.hidden, p.intermediate,
+                          p.intermediate, static_cast<int32_t>(down_rows)));
+  TV_ASSIGN_OR_RETURN(const TmaPlan plan, PlanTmaKernels(device));
+  const int smem = moe::TmaSmemBytes(plan.stages);
+  for (auto* kernel : {ExpertTmaKernel<true>, ExpertTmaKernel<false>}) {
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  // Persistent blocks, as many as are resident at once, so the contiguous item ranges run in one
+  // wave.
+  int resident = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &resident, ExpertTmaKernel<true>, moe::kTmaThreads, smem));
+  const int64_t blocks =
+      std::max(1, std::min(resident, plan.blocks_per_multiprocessor)) * int64_t{multiprocessors};
+  ExpertTmaKernel<true>
+      <<<static_cast<unsigned>(std::min(blocks, up_items)), moe::kTmaThreads, smem, stream>>>(
+          gate_map, up_map, p, w, parts, plan.stages);
+  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (parts > 1) {
+    const int64_t values = p.tokens * p.top_k * p.intermediate;
+    moe::FinishGateUp<<<static_cast<unsigned>((values + 255) / 256), 256, 0, stream>>>(p, w, parts);
+    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  ExpertTmaKernel<false>
+      <<<static_cast<unsigned>(std::min(blocks, down_items)), moe::kTmaThreads, smem, stream>>>(
+          down_map, down_map, p, w, down_parts, plan.stages);
+  TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MoeExperts weight streams"));
+  return down_parts;
+}
+
 }  // namespace
 
-// Enough for any step of up to `tokens`: the gate/up partial sums exist only for steps of few
-// pairs (GateUpParts), so a smaller step may need more than `tokens` does.
+// Enough for any step of up to `tokens`: the partial sums of parted reductions exist only for
+// steps of few pairs (ReductionParts), so a smaller step may need more than `tokens` does.
 int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_local_experts,
                                  int64_t intermediate, int64_t hidden) {
   int64_t bytes = Carve(nullptr, tokens, top_k, num_local_experts, intermediate, hidden).bytes;
@@ -138,11 +229,14 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
-  // Tensor cores on sm_80 and later where both reductions come in 32-element chunks of aligned
-  // rows (every production shape); the CUDA-core kernels otherwise.
-  const bool stream_path = compute_major >= 8 && p.hidden % moe::kStreamChunk == 0 &&
-                           p.intermediate % moe::kStreamChunk == 0 &&
-                           reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  int32_t down_parts = 1;  // the weight stream's may split down's reduction
+  // TMA boxes where the experts are packed and both reductions are rows of whole 16-byte pieces
+  // of at least one box (every production shape), on sm_90 and later; the CUDA-core kernels
+  // otherwise.
+  const bool tma_path = compute_major >= 9 && p.packed_gate != nullptr && p.packed_up != nullptr &&
+                        p.packed_down != nullptr && p.hidden % 8 == 0 && p.intermediate % 8 == 0 &&
+                        p.hidden >= moe::kTmaCols && p.intermediate >= moe::kTmaCols &&
+                        reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
   // per 64 of its tokens rather than per 16.
   if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
@@ -165,40 +259,9 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
         <<<static_cast<unsigned>(down_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
             p, w, static_cast<int32_t>(max_tiles));
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  } else if (stream_path) {
-    const int32_t parts = moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden);
-    using moe::StreamWalk;
-    const int64_t up_items =
-        most_active *
-        ((p.intermediate + StreamWalk::RowsPerTile(true) - 1) / StreamWalk::RowsPerTile(true)) *
-        parts;
-    const int64_t down_items = most_active * ((p.hidden + StreamWalk::RowsPerTile(false) - 1) /
-                                              StreamWalk::RowsPerTile(false));
-    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertStreamKernel<true>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 moe::kStreamSmemBytes));
-    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertStreamKernel<false>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 moe::kStreamSmemBytes));
-    // Persistent blocks, as many as fit a multiprocessor at once (two on sm_90 and sm_100, whose
-    // shared memory they fill; one on sm_120 and sm_8x), so the contiguous item ranges run in
-    // one wave.
-    int per_multiprocessor = 0;
-    TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_multiprocessor, ExpertStreamKernel<true>, moe::kStreamThreads, moe::kStreamSmemBytes));
-    const int64_t blocks = std::max(1, per_multiprocessor) * int64_t{multiprocessors};
-    ExpertStreamKernel<true><<<static_cast<unsigned>(std::min<int64_t>(blocks, up_items)),
-                               moe::kStreamThreads, moe::kStreamSmemBytes, stream>>>(p, w, parts);
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    if (parts > 1) {
-      const int64_t values = entries * p.intermediate;
-      moe::FinishGateUp<<<static_cast<unsigned>((values + 255) / 256), 256, 0, stream>>>(p, w,
-                                                                                         parts);
-      TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    }
-    ExpertStreamKernel<false><<<static_cast<unsigned>(std::min<int64_t>(blocks, down_items)),
-                                moe::kStreamThreads, moe::kStreamSmemBytes, stream>>>(p, w, 1);
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else if (tma_path) {
+    TV_ASSIGN_OR_RETURN(down_parts,
+                        LaunchExpertTmaKernels(p, w, device, multiprocessors, most_active, stream));
   } else {
     const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);
     const unsigned up_blocks =
@@ -215,7 +278,7 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const dim3 combine_grid(static_cast<unsigned>((p.hidden + 255) / 256),
                           static_cast<unsigned>(p.tokens));
-  CombineKernel<<<combine_grid, 256, 0, stream>>>(p, w);
+  CombineKernel<<<combine_grid, 256, 0, stream>>>(p, w, down_parts);
   return CudaStatus(cudaGetLastError(), "MoeExperts launches");
 }
 

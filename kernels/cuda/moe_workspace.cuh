@@ -27,15 +27,34 @@ inline int64_t MaxGemmTiles(int64_t pairs, int32_t num_local) {
 
 inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// Blocks that share one gate/up tile's reduction (the weight-streaming kernel), each writing its
-// partial sums for FinishGateUp to add in part order. A verify step under split inside has few
-// active experts of few rows (16-row tiles of 256 columns): 30 experts make 480 tiles, too few
-// to share out evenly among the blocks (bench/NOTES.md, steps 87 and 89). Long reductions and few
-// pairs only, so the partials stay small; a reduction of 4096 or more has 128 chunks of 32, so
-// every part has columns (FinishGateUp reads every part's sums).
-inline constexpr int64_t kMaxPartedPairs = 4096;
+// Work items of the weight-streaming kernel (moe_expert_tma_kernel.cuh): rows per item of gate/up
+// (64 of gate with the same 64 of up) and of down, and reduction columns per stage.
+inline constexpr int kGateUpTileRows = 64;
+inline constexpr int kDownTileRows = 128;
+inline constexpr int kStageColumns = 64;
+
+// Blocks that share one item's reduction in the weight-streaming kernel, each writing its partial
+// sums for the next kernel to add in part order (FinishGateUp for gate/up, the combine for down).
+// A verify step has few active experts with few row tiles each (under TP8 split inside, 30
+// experts of 4 gate/up tiles at 16 tokens; with whole experts, 1 to 3 experts of 32 gate/up and 56
+// down tiles), too few items to share out evenly among two blocks per multiprocessor
+// (bench/NOTES.md, steps 87, 89 and 90). So about 256 items per active expert, at most 8 parts, and
+// at least 8 stages per part: then every part has columns (the sums read every part's) and the
+// partial sums stay small beside the weights (a 4-stage down reduction is not parted). Few pairs
+// only, so the workspace stays small.
+inline constexpr int64_t kMaxPartedPairs = 512;
+inline int32_t ReductionParts(int64_t pairs, int64_t rows, int64_t tile_rows, int64_t length) {
+  if (pairs > kMaxPartedPairs) return 1;
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  const int64_t stages = (length + kStageColumns - 1) / kStageColumns;
+  return static_cast<int32_t>(
+      std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, 8));
+}
 inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
-  return hidden >= 4096 && intermediate <= 512 && tokens * top_k <= kMaxPartedPairs ? 4 : 1;
+  return ReductionParts(tokens * top_k, intermediate, kGateUpTileRows, hidden);
+}
+inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
+  return ReductionParts(tokens * top_k, hidden, kDownTileRows, intermediate);
 }
 
 // Where the workspace's pieces are.
@@ -52,7 +71,9 @@ struct Workspace {
   int32_t* tile_pair;    // [MaxGemmTiles] each tile's first grouped pair
   float* gate_up_parts;  // [GateUpParts, tokens * top_k, 2, intermediate] when parts > 1
   Bf16* activated;       // [tokens * top_k, intermediate] by grouped pair
-  float* expert_out;     // [tokens * top_k, hidden] by entry (token * top_k + slot)
+  // [DownParts, tokens * top_k, hidden] by part and entry (token * top_k + slot); the kernels
+  // other than the weight stream write part 0 only.
+  float* expert_out;
   int64_t bytes;
 };
 
@@ -82,7 +103,8 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
   w.gate_up_parts = reinterpret_cast<float*>(
       take(parts > 1 ? parts * pairs * 2 * intermediate * int64_t{sizeof(float)} : 0));
   w.activated = reinterpret_cast<Bf16*>(take(pairs * intermediate * sizeof(Bf16)));
-  w.expert_out = reinterpret_cast<float*>(take(pairs * hidden * sizeof(float)));
+  w.expert_out = reinterpret_cast<float*>(take(DownParts(tokens, top_k, intermediate, hidden) *
+                                               pairs * hidden * int64_t{sizeof(float)}));
   w.bytes = offset;
   return w;
 }

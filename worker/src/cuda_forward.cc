@@ -1021,7 +1021,10 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
                            .intermediate = plan.expert_intermediate.size(),
                            .first_expert = static_cast<int32_t>(plan.experts.begin),
                            .num_local_experts = static_cast<int32_t>(plan.experts.size()),
-                           .shared_out = shared ? a.shared_out.get() : nullptr},
+                           .shared_out = shared ? a.shared_out.get() : nullptr,
+                           .packed_gate = moe.gate.get(),
+                           .packed_up = moe.up.get(),
+                           .packed_down = moe.down.get()},
                           a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count);
 }
 

@@ -492,6 +492,7 @@ struct ExpertsCase {
   int64_t tokens, hidden, intermediate;
   int32_t top_k, experts, first_expert, local_experts;
   bool shared;
+  bool packed = true;  // the experts also as one allocation per matrix (the TMA kernels' input)
 };
 
 TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
@@ -507,16 +508,23 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            ExpertsCase{37, 76, 20, 2, 3, 0, 3, true},
            ExpertsCase{1, 7168, 256, 8, 64, 0, 64, false},
            // A verify step's shape under split inside: gate/up's reduction split across blocks
-           // (GateUpParts), several tokens per expert.
+           // (GateUpParts), several tokens per expert; then the same experts unpacked (the
+           // CUDA-core kernels).
            ExpertsCase{16, 7168, 256, 8, 64, 0, 64, true},
-           // Reductions split across blocks in parts that end inside a 256-element stage (130
-           // chunks of 32 in parts of 33), and a down reduction shorter than a stage.
+           ExpertsCase{16, 7168, 256, 8, 64, 0, 64, true, false},
+           // Reductions split across blocks with a short last part (65 stages of 64 in parts of
+           // 9 and 2), rows that end inside a box (96 of 128: gate/up's second tile, down's rows
+           // of the next expert), and a down reduction that ends inside a stage (96 of 128).
            ExpertsCase{12, 4160, 96, 4, 8, 0, 8, false},
-           // ~133 pairs per expert: the weight stream's token groups of 16, the last partial;
-           // then with gate/up in block parts and several down items per block, so a block
-           // steps from an item's last group to the next item's first.
+           // ~133 pairs per expert: the weight stream's token groups of 32, the last partial,
+           // and several down items per block, so a block steps from an item's last group to
+           // the next item's first; then ~80 pairs per expert with gate/up in block parts.
            ExpertsCase{200, 256, 64, 4, 6, 0, 6, false},
-           ExpertsCase{200, 7168, 64, 4, 6, 0, 6, false},
+           ExpertsCase{120, 7168, 64, 4, 6, 0, 6, false},
+           // Whole experts under TP8's shapes: gate/up in 8 parts and down in 4 (DownParts,
+           // added by the combine); then 48 pairs per expert with down in 2 parts, two groups.
+           ExpertsCase{9, 7168, 2048, 8, 64, 0, 8, false},
+           ExpertsCase{48, 4096, 1024, 8, 8, 0, 4, true},
            // Prefill sizes (512 tokens or more): the grouped GEMM, full and partial 64-pair
            // tiles, in both shardings.
            ExpertsCase{600, 256, 128, 4, 12, 0, 12, true},
@@ -527,8 +535,9 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            ExpertsCase{2300, 256, 64, 4, 16, 4, 8, false},
            ExpertsCase{2100, 76, 20, 4, 3, 0, 3, true},
        }) {
-    SCOPED_TRACE(testing::Message() << c.tokens << " tokens, hidden " << c.hidden
-                                    << ", intermediate " << c.intermediate);
+    SCOPED_TRACE(testing::Message()
+                 << c.tokens << " tokens, hidden " << c.hidden << ", intermediate "
+                 << c.intermediate << (c.packed ? "" : ", unpacked"));
     const std::vector<float> x = RoundToBf16(Random(rng, c.tokens * c.hidden));
     std::vector<std::vector<float>> gate, up, down;
     std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;
@@ -576,16 +585,19 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
 
     DeviceBuffer<Bf16> d_x(x.size());
     d_x.CopyFrom(ToBf16(x));
-    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_weights;
+    // Each kind of matrix in one allocation, expert after expert, as the worker holds them.
+    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_packed;
     std::vector<const Bf16*> d_gate, d_up, d_down;
+    for (auto* matrices : {&gate, &up, &down}) {
+      std::vector<float> all;
+      for (const std::vector<float>& m : *matrices) all.insert(all.end(), m.begin(), m.end());
+      d_packed.push_back(std::make_unique<DeviceBuffer<Bf16>>(all.size()));
+      d_packed.back()->CopyFrom(ToBf16(all));
+    }
     for (int32_t e = 0; e < c.local_experts; ++e) {
-      for (auto* matrices : {&gate, &up, &down}) {
-        d_weights.push_back(std::make_unique<DeviceBuffer<Bf16>>((*matrices)[e].size()));
-        d_weights.back()->CopyFrom(ToBf16((*matrices)[e]));
-      }
-      d_gate.push_back(d_weights[3 * e]->get());
-      d_up.push_back(d_weights[3 * e + 1]->get());
-      d_down.push_back(d_weights[3 * e + 2]->get());
+      d_gate.push_back(d_packed[0]->get() + e * gate[e].size());
+      d_up.push_back(d_packed[1]->get() + e * up[e].size());
+      d_down.push_back(d_packed[2]->get() + e * down[e].size());
     }
     DeviceBuffer<const Bf16*> d_gate_ptrs(d_gate.size()), d_up_ptrs(d_up.size()),
         d_down_ptrs(d_down.size());
@@ -601,20 +613,24 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
     const int64_t bytes =
         MoeExpertsWorkspaceBytes(c.tokens, c.top_k, c.local_experts, c.intermediate, c.hidden);
     DeviceBuffer<uint8_t> workspace(bytes);
-    const MoeExpertsParamsOf<Bf16, Bf16> params{.x = d_x.get(),
-                                                .topk_ids = d_ids.get(),
-                                                .topk_weights = d_topk_weights.get(),
-                                                .gate_proj = d_gate_ptrs.get(),
-                                                .up_proj = d_up_ptrs.get(),
-                                                .down_proj = d_down_ptrs.get(),
-                                                .out = d_out.get(),
-                                                .tokens = c.tokens,
-                                                .top_k = c.top_k,
-                                                .hidden = c.hidden,
-                                                .intermediate = c.intermediate,
-                                                .first_expert = c.first_expert,
-                                                .num_local_experts = c.local_experts,
-                                                .shared_out = c.shared ? d_shared.get() : nullptr};
+    const MoeExpertsParamsOf<Bf16, Bf16> params{
+        .x = d_x.get(),
+        .topk_ids = d_ids.get(),
+        .topk_weights = d_topk_weights.get(),
+        .gate_proj = d_gate_ptrs.get(),
+        .up_proj = d_up_ptrs.get(),
+        .down_proj = d_down_ptrs.get(),
+        .out = d_out.get(),
+        .tokens = c.tokens,
+        .top_k = c.top_k,
+        .hidden = c.hidden,
+        .intermediate = c.intermediate,
+        .first_expert = c.first_expert,
+        .num_local_experts = c.local_experts,
+        .shared_out = c.shared ? d_shared.get() : nullptr,
+        .packed_gate = c.packed ? d_packed[0]->get() : nullptr,
+        .packed_up = c.packed ? d_packed[1]->get() : nullptr,
+        .packed_down = c.packed ? d_packed[2]->get() : nullptr};
     ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
     // The activations between the projections are bf16 on the GPU: allow their rounding,
     // relative to the size of the output.

@@ -17,12 +17,13 @@
 //      expert id, then the shared experts' output.
 // From 512 tokens on (prefill chunks, or verify batches as large), steps 2 and 3 are a grouped
 // GEMM over tiles of 64 pairs of one expert (mma.sync, cp.async stages), the tiles listed by the
-// grouping. Otherwise steps 2 and 3 stream only the active experts' weights through shared memory
-// (cp.async stages, two persistent blocks per multiprocessor, each a contiguous range of (active
-// expert, row tile, block part) items), each row once per group of up to 16 tokens. At verify
-// sizes (a few tokens per expert) the phase is a weight-streaming problem: its floor is the active
-// experts' bytes over the copy bandwidth. No global atomics anywhere: the bytes do not depend on
-// scheduling.
+// grouping. Otherwise, on sm_90 and later with the experts packed (params.packed_*), steps 2 and
+// 3 stream only the active experts' weights through shared memory as TMA boxes (a producer warp,
+// eight mma warps, persistent blocks each taking a contiguous range of (active expert, row tile,
+// block part) items), each row once per group of up to 32 tokens; without packed experts or
+// before sm_90, CUDA-core kernels. At verify sizes (a few tokens per expert) the phase is a
+// weight-streaming problem: its floor is the active experts' bytes over the copy bandwidth. No
+// global atomics anywhere: the bytes do not depend on scheduling.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);
@@ -47,8 +48,9 @@ int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_loca
                                  int64_t intermediate, int64_t hidden);
 
 // gate_proj, up_proj and down_proj are device arrays of device pointers, each expert's matrix
-// 16-byte aligned (the streams copy 16-byte pieces; the device arrays cannot be checked from the
-// host, cudaMalloc's alignment is 256). workspace holds at
+// 16-byte aligned (the kernels read 16-byte pieces; the device arrays cannot be checked from the
+// host, cudaMalloc's alignment is 256); packed_gate, packed_up and packed_down, where set, must
+// describe the same matrices (also not checkable from the host). workspace holds at
 // least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
 // is set, the number of local experts with tokens is written there (step accounting).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,

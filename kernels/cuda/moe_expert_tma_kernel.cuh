@@ -1,0 +1,344 @@
+// The MoE expert projections at verify sizes on sm_90 and later: the active experts' weights
+// stream through shared memory as TMA boxes, once per group of up to 32 of their tokens, into
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate).
+//
+// A verify step reads each active expert's weights and does almost nothing else, so the kernel is
+// a copy pipeline whose cost is the SM instructions it spends per byte (bench/NOTES.md, steps
+// 89-90). One producer warp walks the block's stages: per stage its lane 0 issues the weight box
+// (128 rows x 64 columns; for gate/up two boxes, 64 rows of gate and the same 64 rows of up) and
+// the warp gathers the group's token rows with cp.async; both land on the stage's `full`
+// mbarrier, beside a ticket that tells the consumers what the stage is. Eight consumer warps each
+// own 16 of the stage's rows across its 64 columns (four k-steps), so a warp's sums are complete
+// at the last stage of an item's group: there is no cross-warp reduction, and the consumers never
+// walk. Slots return to the producer through `empty` mbarriers, one arrival per consumer thread.
+//
+// Gate/up: a consumer's 16-row tile is 8 rows of gate (fragment rows 0-7) over the same 8 rows of
+// up (rows 8-15), so a thread holds gate and up of one row and token: silu(gate) * up in
+// registers.
+//
+// Work items: (active expert, row tile, block part) in that order, each block taking a contiguous
+// range of them (consecutive items mostly share an expert: its pairs are read once, and down's
+// rows stream in address order). Block parts (ReductionParts) split a long reduction across
+// blocks, each writing its sums (gate/up: to w.gate_up_parts for FinishGateUp; down: to its part
+// of w.expert_out for the combine), so that few active experts still fill the machine. An expert
+// with more than 32 pairs streams its tile once per group of 32.
+//
+// The weights are read through 2D tensor maps over a layer's packed experts ([experts * rows,
+// columns]): expert e's row r is map row e * rows + r. Boxes that run past an expert's rows read
+// the next expert's (or zeros past the tensor); those rows' sums are not stored. Columns past the
+// reduction's end are zeros in both operands (TMA's out-of-bounds fill, cp.async's zero fill).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "element_convert.cuh"
+#include "mma_sync_primitives.cuh"
+#include "moe_workspace.cuh"
+#include "silu_times_up.cuh"
+#include "sm90_primitives.cuh"
+#include "treeverify/kernels/moe.h"
+
+namespace treeverify::kernels::cuda::moe {
+
+inline constexpr int kTmaConsumerWarps = 8;
+inline constexpr int kTmaThreads = (kTmaConsumerWarps + 1) * 32;  // + the producer warp
+inline constexpr int kTmaRows = 16 * kTmaConsumerWarps;           // weight rows per stage
+inline constexpr int kTmaCols = 64;    // reduction columns per stage: one 128-byte swizzled row
+inline constexpr int kTmaTokens = 32;  // token rows per group: four mma passes of 8
+inline constexpr int kTmaPasses = kTmaTokens / 8;
+inline constexpr int kTmaWeightBytes = kTmaRows * kTmaCols * 2;  // 16 KB
+inline constexpr int kTmaStageBytes = kTmaWeightBytes + kTmaTokens * kTmaCols * 2;
+static_assert(kTmaStageBytes % 1024 == 0);  // every tile starts a 128-byte swizzle pattern
+// ReductionParts counts the items and stages so.
+static_assert(kTmaRows / 2 == kGateUpTileRows && kTmaRows == kDownTileRows);
+static_assert(kTmaCols == kStageColumns);
+
+// What a stage holds, from the producer to the consumers (16 bytes beside each slot).
+struct StageTicket {
+  int32_t row0;         // the item's first row (of gate/up's intermediate or down's hidden)
+  int32_t group_begin;  // the group's first grouped pair
+  int32_t count;        // the group's tokens, 1..kTmaTokens; 0 past the block's last stage
+  int32_t flags;        // kTicketFirst | kTicketLast | part << 8
+};
+inline constexpr int32_t kTicketFirst = 1;  // the first stage of an item's group: sums from zero
+inline constexpr int32_t kTicketLast = 2;   // its last: the sums are stored
+
+// Dynamic shared memory for `stages` slots: the slots (1024-aligned), then the mbarriers and the
+// tickets; 1024 bytes of slack for the alignment.
+__host__ __device__ constexpr int TmaSmemBytes(int stages) {
+  return 1024 + stages * (kTmaStageBytes + 2 * 8 + int{sizeof(StageTicket)});
+}
+
+// The walk over a block's stages: its items, their token groups, and the 64-column stages of
+// each group's reduction range. Only the producer warp walks. Coordinates advance by counting
+// (a division per item would cost more than the rest of a down item's bookkeeping).
+struct ExpertWalk {
+  int32_t rows_total, length, chunks, per_part, tiles, parts, rows_per_tile, items_left;
+  // The current stage: item (active expert, row tile, block part), group and the reduction
+  // columns [k0, k0 + kTmaCols) of [k_begin, k_end).
+  int32_t active = -1, expert = 0, tile = 0, part = 0;
+  int32_t row0 = 0, k_begin = 0, k_end = 0, k0 = 0;
+  int32_t pairs_begin = 0, pairs_end = 0, group_begin = 0, group_end = 0;
+
+  // Rows of one item: 64 of gate with the same 64 of up, or 128 of down.
+  __host__ __device__ static constexpr int RowsPerTile(bool is_gate_up) {
+    return is_gate_up ? kTmaRows / 2 : kTmaRows;
+  }
+
+  __device__ ExpertWalk(const MoeExpertsParamsOf<Bf16, Bf16>& p, const Workspace& w,
+                        int32_t block_parts, bool is_gate_up)
+      : rows_total(static_cast<int32_t>(is_gate_up ? p.intermediate : p.hidden)),
+        length(static_cast<int32_t>(is_gate_up ? p.hidden : p.intermediate)),
+        chunks((length + kTmaCols - 1) / kTmaCols),
+        per_part((chunks + block_parts - 1) / block_parts),
+        tiles((rows_total + RowsPerTile(is_gate_up) - 1) / RowsPerTile(is_gate_up)),
+        parts(block_parts),
+        rows_per_tile(RowsPerTile(is_gate_up)) {
+    // Fewer than 2^31 items (MoeExperts checks the most there can be).
+    const int64_t items_per_expert = int64_t{tiles} * parts;
+    const int64_t items = int64_t{*w.num_active} * items_per_expert;
+    const int64_t first = items * blockIdx.x / gridDim.x;
+    items_left = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x - first);
+    // One item before the first, so that Next's count lands on it.
+    const int64_t before = first - 1;
+    counted_active_ = before < 0 ? -1 : static_cast<int32_t>(before / items_per_expert);
+    tile = before < 0 ? tiles - 1 : static_cast<int32_t>(before % items_per_expert / parts);
+    part = before < 0 ? parts - 1 : static_cast<int32_t>(before % parts);
+  }
+
+  __device__ bool FirstOfGroup() const { return k0 == k_begin; }
+  __device__ bool LastOfGroup() const { return k0 + kTmaCols >= k_end; }
+
+  // Advances to the next stage; false past the block's last, and from then on.
+  __device__ bool Next(const Workspace& w) {
+    if (done_) return false;
+    if (started_ && k0 + kTmaCols < k_end) {
+      k0 += kTmaCols;
+      return true;
+    }
+    if (started_ && group_end < pairs_end) {
+      group_begin = group_end;
+      group_end = min(pairs_end, group_begin + kTmaTokens);
+      k0 = k_begin;
+      return true;
+    }
+    // The next item; an item of an empty part range (more parts than chunks) has no stages.
+    do {
+      if (items_left-- <= 0) {
+        done_ = true;  // k_end may hold a skipped item's: the branches above must not see it
+        return false;
+      }
+      if (++part == parts) {
+        part = 0;
+        if (++tile == tiles) {
+          tile = 0;
+          ++counted_active_;
+        }
+      }
+      if (!started_ || active != counted_active_) {
+        started_ = true;
+        active = counted_active_;
+        expert = w.active[active];
+        pairs_begin = w.offsets[expert];
+        pairs_end = w.offsets[expert + 1];
+      }
+      k_begin = min(chunks, part * per_part) * kTmaCols;
+      k_end = min(length, min(chunks, (part + 1) * per_part) * kTmaCols);
+    } while (k_begin >= k_end);
+    row0 = tile * rows_per_tile;
+    group_begin = pairs_begin;
+    group_end = min(pairs_end, group_begin + kTmaTokens);
+    k0 = k_begin;
+    return true;
+  }
+
+ private:
+  int32_t counted_active_ = 0;  // the count's active expert (`active` once loaded)
+  bool started_ = false;
+  bool done_ = false;
+};
+
+// Gate/up (kGateUp: first_map gate, up_map up; out: silu(gate) * up, or the block part's sums)
+// or down (first_map down, up_map unused; out: fp32 per entry) for every active expert, through
+// `stages` slots.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kTmaThreads, 2)
+    ExpertTmaKernel(const __grid_constant__ CUtensorMap first_map,
+                    const __grid_constant__ CUtensorMap up_map, MoeExpertsParamsOf<Bf16, Bf16> p,
+                    Workspace w, int32_t block_parts, int32_t stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* slots = sm90::AlignSharedUp<1024>(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * kTmaStageBytes);
+  uint64_t* empty = full + stages;
+  StageTicket* tickets = reinterpret_cast<StageTicket*>(empty + stages);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      sm90::MbarrierInit(&full[s], 1 + 32);  // lane 0's expect_tx and the warp's cp.async arrivals
+      sm90::MbarrierInit(&empty[s], kTmaConsumerWarps * 32);
+    }
+    sm90::FenceBarrierInit();
+  }
+  __syncthreads();
+
+  if (warp == kTmaConsumerWarps) {
+    // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
+    if (lane == 0) {
+      sm90::PrefetchTensorMap(&first_map);
+      if constexpr (kGateUp) sm90::PrefetchTensorMap(&up_map);
+    }
+    constexpr int kTokenTurns = kTmaTokens * 8 / 32;
+    const Bf16* token_rows[kTokenTurns] = {};
+    int32_t token_group = -1;
+    ExpertWalk walk(p, w, block_parts, kGateUp);
+    for (int32_t stage = 0;; ++stage) {
+      const bool more = walk.Next(w);
+      const int32_t slot = stage % stages;
+      sm90::MbarrierWait(&empty[slot], ((stage / stages) & 1) ^ 1);
+      uint8_t* weights = slots + slot * kTmaStageBytes;
+      if (lane == 0) {
+        const int32_t count = more ? walk.group_end - walk.group_begin : 0;
+        const int32_t flags = (walk.FirstOfGroup() ? kTicketFirst : 0) |
+                              (walk.LastOfGroup() ? kTicketLast : 0) | walk.part << 8;
+        tickets[slot] = StageTicket{walk.row0, walk.group_begin, count, flags};
+        sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
+        if (more) {
+          const int32_t y = walk.expert * walk.rows_total + walk.row0;
+          if constexpr (kGateUp) {
+            sm90::TmaLoad2d(weights, &first_map, walk.k0, y, &full[slot]);
+            sm90::TmaLoad2d(weights + kTmaWeightBytes / 2, &up_map, walk.k0, y, &full[slot]);
+          } else {
+            sm90::TmaLoad2d(weights, &first_map, walk.k0, y, &full[slot]);
+          }
+        }
+      }
+      if (more) {
+        if (walk.group_begin != token_group) {
+          token_group = walk.group_begin;
+#pragma unroll
+          for (int turn = 0; turn < kTokenTurns; ++turn) {
+            const int32_t pair = walk.group_begin + lane / 8 + 4 * turn;
+            token_rows[turn] = nullptr;  // rows past the group's count are not copied (nor read)
+            if (pair < walk.group_end) {
+              token_rows[turn] = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
+                                         : w.activated + int64_t{pair} * p.intermediate;
+            }
+          }
+        }
+        const int32_t column = walk.k0 + 8 * (lane % 8);
+        uint8_t* tokens = weights + kTmaWeightBytes;
+#pragma unroll
+        for (int turn = 0; turn < kTokenTurns; ++turn) {
+          if (token_rows[turn] == nullptr) continue;
+          mma::CpAsync16(tokens + sm90::Swizzle128(lane / 8 + 4 * turn, 8 * (lane % 8)),
+                         token_rows[turn] + column, column < walk.length);
+        }
+      }
+      mma::CpAsyncArriveOn(&full[slot]);
+      if (!more) return;
+    }
+  }
+
+  // A consumer: fragment rows of this warp's 16 (gate/up: 8 of gate over the same 8 of up) at
+  // lane l's ldmatrix address, and the tokens' (row l % 8 of the pass).
+  const int g = lane / 4, q = lane % 4;
+  const int a_row = kGateUp ? 8 * warp + lane % 8 + (lane / 8 % 2) * (kTmaRows / 2)
+                            : 16 * warp + lane % 8 + (lane / 8 % 2) * 8;
+  float acc[kTmaPasses][4] = {};
+  for (int32_t stage = 0;; ++stage) {
+    const int32_t slot = stage % stages;
+    sm90::MbarrierWait(&full[slot], (stage / stages) & 1);
+    const StageTicket ticket = tickets[slot];
+    if (ticket.count == 0) return;
+    if (ticket.flags & kTicketFirst) {
+#pragma unroll
+      for (int pass = 0; pass < kTmaPasses; ++pass) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
+      }
+    }
+    const uint8_t* weights = slots + slot * kTmaStageBytes;
+    const uint8_t* tokens = weights + kTmaWeightBytes;
+    // k-steps 2j and 2j + 1: A from units 4j + l / 16 (two steps of two units), B from units
+    // 4j + l / 8 (b0, b1 of step 2j, then of 2j + 1).
+#pragma unroll
+    for (int j = 0; j < kTmaCols / 32; ++j) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma::LoadMatrices4(a[h],
+                           weights + sm90::Swizzle128(a_row, 8 * (4 * j + 2 * h + lane / 16)));
+      }
+#pragma unroll
+      for (int pass = 0; pass < kTmaPasses; ++pass) {
+        if (8 * pass >= ticket.count) break;
+        uint32_t b[4];
+        mma::LoadMatrices4(b,
+                           tokens + sm90::Swizzle128(8 * pass + lane % 8, 8 * (4 * j + lane / 8)));
+        mma::MmaBf16(acc[pass], a[0], b[0], b[1]);
+        mma::MmaBf16(acc[pass], a[1], b[2], b[3]);
+      }
+    }
+    // Every consumer thread arrives once its own reads of the slot are done.
+    sm90::MbarrierArrive(&empty[slot]);
+    if (!(ticket.flags & kTicketLast)) continue;
+
+      // The group's sums: accumulator i of pass `pass` is fragment row g (+ 8 for i >= 2), token
+      // 8 * pass + 2q + (i & 1).
+#pragma unroll
+    for (int pass = 0; pass < kTmaPasses; ++pass) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int token = 8 * pass + 2 * q + i;
+        if (token >= ticket.count) continue;
+        const int32_t pair = ticket.group_begin + token;
+        if constexpr (kGateUp) {
+          const int64_t row = ticket.row0 + 8 * warp + g;
+          if (row >= p.intermediate) continue;
+          const float gate = acc[pass][i], up = acc[pass][2 + i];
+          if (block_parts > 1) {
+            const int32_t part = ticket.flags >> 8;
+            float* out =
+                w.gate_up_parts + ((part * p.tokens * p.top_k + pair) * 2) * p.intermediate + row;
+            out[0] = gate;
+            out[p.intermediate] = up;
+          } else {
+            w.activated[int64_t{pair} * p.intermediate + row] =
+                FromFloat<Bf16>(SiluTimesUp(gate, up));
+          }
+        } else {
+          const int64_t row = ticket.row0 + 16 * warp + g;
+          const int64_t part = ticket.flags >> 8;
+          float* out = w.expert_out + (part * p.tokens * p.top_k + w.pair_entry[pair]) * p.hidden;
+          if (row < p.hidden) out[row] = acc[pass][i];
+          if (row + 8 < p.hidden) out[row + 8] = acc[pass][2 + i];
+        }
+      }
+    }
+  }
+#else
+  __trap();  // launched only on sm_90 and later (MoeExperts checks the device)
+#endif
+}
+
+// activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
+// (grouped pair, row); pairs past the step's count return.
+__global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
+  const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int64_t pair = index / p.intermediate, row = index % p.intermediate;
+  if (pair >= w.offsets[p.num_local_experts]) return;
+  const int64_t stride = p.tokens * p.top_k * 2 * p.intermediate;
+  const float* sums = w.gate_up_parts + pair * 2 * p.intermediate + row;
+  float gate = sums[0], up = sums[p.intermediate];
+  for (int32_t part = 1; part < block_parts; ++part) {
+    gate = __fadd_rn(gate, sums[part * stride]);
+    up = __fadd_rn(up, sums[part * stride + p.intermediate]);
+  }
+  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(SiluTimesUp(gate, up));
+}
+
+}  // namespace treeverify::kernels::cuda::moe
