@@ -201,11 +201,13 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int max_blocks = multiprocessors * 8;
 
   const int64_t entries = p.tokens * p.top_k;
-  // Padded by 16 bytes: the compiler's vector loads of the staged ids may read up to three past
-  // the last one (memcheck saw a 12-byte read there, step 79); those values are never used.
   if (entries <= moe::kStagedEntries) {
-    const size_t staged_bytes = (entries + 4) * sizeof(int32_t);
-    GroupKernel<<<1, kGroupThreads, staged_bytes, stream>>>(
+    const int64_t smem = moe::GroupKernelSmemBytes(entries, p.num_local_experts);
+    if (smem > 48 * 1024) {  // thousands of local experts
+      TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          GroupKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    GroupKernel<<<1, kGroupThreads, static_cast<size_t>(smem), stream>>>(
         p.topk_ids, p.tokens, p.top_k, p.first_expert, p.num_local_experts, w, active_count);
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else {

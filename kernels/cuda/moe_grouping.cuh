@@ -2,11 +2,12 @@
 // expert, with the active experts' list and the grouped GEMM's tiles (moe_workspace.cuh).
 //
 // A verify step's few hundred entries: GroupKernel, one block that stages the ids in shared
-// memory. A prefill chunk's tens of thousands: three kernels over chunks of kGroupChunk entries
-// (one block each): count each chunk's pairs per expert, scan the counts in (expert, chunk) order
-// into each chunk's first position per expert, then place each chunk's pairs by their rank among
-// the chunk's pairs of the same expert. Both give the same order, and neither uses global atomics
-// (shared-memory counts only), so the result does not depend on scheduling.
+// memory and places them with one warp. A prefill chunk's tens of thousands: three kernels over
+// chunks of kGroupChunk entries (one block each): count each chunk's pairs per expert, scan the
+// counts in (expert, chunk) order into each chunk's first position per expert, then place each
+// chunk's pairs by their rank among the chunk's pairs of the same expert. Both give the same order,
+// and neither uses global atomics (shared-memory counts only), so the result does not depend on
+// scheduling.
 #pragma once
 
 #include <cstdint>
@@ -84,30 +85,42 @@ __device__ inline void PublishGroupTotals(int32_t num_local, int32_t pairs, int3
 }
 
 // The grouping of a verify step (at most kStagedEntries entries; GroupChunks* below take more).
-// One block. The routing's ids are first copied to shared memory, then thread t owns local
-// experts [t * per_thread, (t + 1) * per_thread): it counts their pairs, the block scans the counts
-// (offsets), the active flags (the active list) and the GEMM tiles, and it writes their pairs in
-// token order.
+// One block, in time linear in entries and experts (bench/NOTES.md, step 91): the routing's ids
+// are staged in shared memory and counted per local expert (shared-memory atomics: a count, in
+// any order); thread t owns local experts [t * per_thread, (t + 1) * per_thread) and the block
+// scans their counts (offsets), active flags (the active list) and GEMM tiles; then one warp
+// places the entries in index order, 32 at a time: an entry goes to its expert's next position
+// plus its rank among the same expert's entries of those 32 (a match), so each expert's pairs
+// are in token order.
 constexpr int64_t kStagedEntries = 8192;  // 32 KB of shared memory
+
+// Dynamic shared memory of GroupKernel: the staged ids (padded by 16 bytes: the compiler's vector
+// loads of them may read up to three past the last one, step 79) and a counter per local expert.
+inline int64_t GroupKernelSmemBytes(int64_t entries, int32_t num_local) {
+  return (entries + 4 + num_local) * int64_t{sizeof(int32_t)};
+}
 
 __global__ void __launch_bounds__(kGroupThreads)
     GroupKernel(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
                 int32_t first_expert, int32_t num_local, Workspace w, int32_t* active_count) {
-  extern __shared__ int32_t staged[];  // [entries] local expert ids
-  const int64_t entries = tokens * top_k;
-  for (int64_t i = threadIdx.x; i < entries; i += kGroupThreads) {
-    staged[i] = topk_ids[i] - first_expert;
+  extern __shared__ int32_t staged[];  // [entries + 4] local expert ids, -1 for other ranks'
+  const int32_t n = static_cast<int32_t>(tokens * top_k);
+  int32_t* next = staged + n + 4;  // [num_local] counts, then each expert's next position
+  for (int32_t e = threadIdx.x; e < num_local; e += kGroupThreads) next[e] = 0;
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < n; i += kGroupThreads) {
+    int32_t local = topk_ids[i] - first_expert;
+    if (local < 0 || local >= num_local) local = -1;
+    staged[i] = local;
+    if (local >= 0) atomicAdd(&next[local], 1);
   }
   __syncthreads();
   const int32_t per_thread = (num_local + kGroupThreads - 1) / kGroupThreads;
   const int32_t begin = min(num_local, static_cast<int32_t>(threadIdx.x) * per_thread);
   const int32_t end = min(num_local, begin + per_thread);
-  const int32_t n = static_cast<int32_t>(entries);
   int32_t pairs = 0, active = 0, tiles = 0;
   for (int32_t e = begin; e < end; ++e) {
-    int32_t count = 0;
-#pragma unroll 8
-    for (int32_t i = 0; i < n; ++i) count += staged[i] == e;
+    const int32_t count = next[e];
     pairs += count;
     active += count > 0;
     tiles += (count + moe::kGemmPairs - 1) / moe::kGemmPairs;
@@ -115,15 +128,29 @@ __global__ void __launch_bounds__(kGroupThreads)
   int32_t total_pairs, total_active, total_tiles;
   ScanGroupCounts(pairs, active, tiles, total_pairs, total_active, total_tiles);
   for (int32_t e = begin; e < end; ++e) {
-    w.offsets[e] = pairs;
     const int32_t first_pair = pairs;
-    for (int32_t i = 0; i < n; ++i) {
-      if (staged[i] != e) continue;
-      w.pair_token[pairs] = i / top_k;
-      w.pair_entry[pairs] = i;
-      ++pairs;
-    }
+    pairs += next[e];
+    w.offsets[e] = first_pair;
+    next[e] = first_pair;
     ListExpert(e, first_pair, pairs, active, tiles, w);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    for (int32_t base = 0; base < n; base += 32) {
+      const int32_t i = base + lane;
+      const int32_t local = i < n ? staged[i] : -1;
+      const uint32_t same = __match_any_sync(0xffffffffu, local);
+      const int rank = __popc(same & ((1u << lane) - 1));
+      if (local >= 0) {
+        const int32_t position = next[local] + rank;
+        w.pair_token[position] = i / top_k;
+        w.pair_entry[position] = i;
+      }
+      __syncwarp();  // every lane has read its expert's position before the first moves it on
+      if (local >= 0 && rank == 0) next[local] += __popc(same);
+      __syncwarp();
+    }
   }
   PublishGroupTotals(num_local, total_pairs, total_active, total_tiles, w, active_count);
 }
