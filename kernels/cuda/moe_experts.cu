@@ -203,7 +203,10 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t entries = p.tokens * p.top_k;
   if (entries <= moe::kStagedEntries) {
     const int64_t smem = moe::GroupKernelSmemBytes(entries, p.num_local_experts);
-    if (smem > 48 * 1024) {  // thousands of local experts
+    // Beyond the default 48 KB, static (the scans' 256 bytes) and dynamic together, thousands of
+    // local experts need the opt-in (up to the device's per-block limit; past it the launch fails
+    // and says so).
+    if (smem + 1024 > 48 * 1024) {
       TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           GroupKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }

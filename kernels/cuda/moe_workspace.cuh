@@ -47,8 +47,11 @@ inline int32_t ReductionParts(int64_t pairs, int64_t rows, int64_t tile_rows, in
   if (pairs > kMaxPartedPairs) return 1;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   const int64_t stages = (length + kStageColumns - 1) / kStageColumns;
-  return static_cast<int32_t>(
-      std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, 8));
+  int64_t parts = std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, 8);
+  // The walk gives part p the stages [p * per_part, (p + 1) * per_part) of the reduction: with
+  // the bounds above every part has some, and this keeps it so whatever the bounds become.
+  while (parts > 1 && (parts - 1) * ((stages + parts - 1) / parts) >= stages) --parts;
+  return static_cast<int32_t>(parts);
 }
 inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
   return ReductionParts(tokens * top_k, intermediate, kGateUpTileRows, hidden);

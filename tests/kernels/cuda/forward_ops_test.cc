@@ -516,6 +516,10 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // 9 and 2), rows that end inside a box (96 of 128: gate/up's second tile, down's rows
            // of the next expert), and a down reduction that ends inside a stage (96 of 128).
            ExpertsCase{12, 4160, 96, 4, 8, 0, 8, false},
+           // Gate/up reductions that end inside a stage (200 = 3 x 64 + 8; 4104 = 64 x 64 + 8
+           // in 8 parts): TMA's zero fill past the weights' columns, cp.async's past x's.
+           ExpertsCase{12, 200, 96, 4, 8, 0, 8, false},
+           ExpertsCase{12, 4104, 96, 4, 8, 0, 8, false},
            // ~133 pairs per expert: the weight stream's token groups of 32, the last partial,
            // and several down items per block, so a block steps from an item's last group to
            // the next item's first; then ~80 pairs per expert with gate/up in block parts.
