@@ -10,7 +10,8 @@
 #   scripts/gpu-check.sh bench [OUTDIR] [ARGS...]  on the GPU machine: the GPU benchmarks
 #
 # A/B runs of the attention benchmark (bench/NOTES.md: both builds in one call, alternated):
-#   scripts/gpu-check.sh bundle-bench REV DIR    here: mla_verify_bench of git revision REV,
+#   scripts/gpu-check.sh bundle-bench REV DIR [BINARY...]  here: mla_verify_bench (or the given
+#                                                binaries, by build-tree path) of git revision REV,
 #                                                built in a temporary worktree, bundled into DIR
 #   scripts/gpu-check.sh ab OUTDIR DIR... [-- ARGS...]  on the GPU machine: the benchmark of each
 #                                                bundle DIR, alternated twice, ARGS passed on
@@ -123,15 +124,23 @@ case "${1:-}" in
     "$bundle/bin/mla_verify_bench" --out "$out" "${@:3}"
     ;;
   bundle-bench)
-    rev=${2:?usage: $0 bundle-bench REV DIR}
-    dir=${3:?usage: $0 bundle-bench REV DIR}
+    rev=${2:?usage: $0 bundle-bench REV DIR [BINARY...]}
+    dir=${3:?usage: $0 bundle-bench REV DIR [BINARY...]}
+    # Binaries by their path in the build tree (default: the attention benchmark), e.g.
+    # bench/rank_step_bench tests/kernels/cuda_forward_ops_test for a branch's A/B and tests.
+    binaries=("${@:4}")
+    if [ ${#binaries[@]} -eq 0 ]; then binaries=(bench/mla_verify_bench); fi
+    targets=()
+    for binary in "${binaries[@]}"; do targets+=("$(basename "$binary")"); done
     tree=$(mktemp -d /tmp/treeverify-rev.XXXXXX)
     git -C "$root" worktree add --detach -q "$tree" "$rev"
     trap 'git -C "$root" worktree remove --force "$tree"' EXIT
-    SOURCE_DIR=$tree BUILD_DIR=$tree/build-gpu TARGETS=mla_verify_bench \
+    SOURCE_DIR=$tree BUILD_DIR=$tree/build-gpu TARGETS="${targets[*]}" \
       "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON >/dev/null
     rm -rf "$dir"
-    bash "$root/../shared/tools/gpu-bundle.sh" "$dir" "$tree/build-gpu/bench/mla_verify_bench"
+    paths=()
+    for binary in "${binaries[@]}"; do paths+=("$tree/build-gpu/$binary"); done
+    bash "$root/../shared/tools/gpu-bundle.sh" "$dir" "${paths[@]}"
     ;;
   ab)
     out=${2:?usage: $0 ab OUTDIR DIR... [-- ARGS...]}
@@ -161,7 +170,7 @@ case "${1:-}" in
     ;;
   *)
     echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...] |" \
-      "bundle-bench REV DIR | ab OUTDIR DIR... [-- ARGS...]" >&2
+      "bundle-bench REV DIR [BINARY...] | ab OUTDIR DIR... [-- ARGS...]" >&2
     exit 2
     ;;
 esac
