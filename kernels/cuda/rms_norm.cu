@@ -24,13 +24,18 @@ absl::Status Launch(const RmsNormParamsOf<Input, Weight, Output>& p, cudaStream_
   }
   // One block per row: a verify step has few rows, so wide rows (the hidden size) take 1024
   // threads, or each thread would walk its elements one latency after another (25 us at 16
-  // rows of 7168 with 256 threads).
-  if (p.dim >= 4096) {
-    RmsNormKernel<1024><<<static_cast<unsigned>(p.rows), 1024, 0, stream>>>(
-        p.input, p.add, p.sum, p.weight, p.output, p.dim, input_stride, output_stride, p.eps);
+  // rows of 7168 with 256 threads); up to 8 (1024 threads) or 16 (256) elements a thread are
+  // held in registers, all loaded at once.
+  const unsigned blocks = static_cast<unsigned>(p.rows);
+  if (p.dim > 8 * 1024) {
+    RmsNormKernel<1024, 0><<<blocks, 1024, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
+                                                        p.dim, input_stride, output_stride, p.eps);
+  } else if (p.dim >= 4096) {
+    RmsNormKernel<1024, 8><<<blocks, 1024, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
+                                                        p.dim, input_stride, output_stride, p.eps);
   } else {
-    RmsNormKernel<256><<<static_cast<unsigned>(p.rows), 256, 0, stream>>>(
-        p.input, p.add, p.sum, p.weight, p.output, p.dim, input_stride, output_stride, p.eps);
+    RmsNormKernel<256, 16><<<blocks, 256, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
+                                                       p.dim, input_stride, output_stride, p.eps);
   }
   return CudaStatus(cudaGetLastError(), "RmsNormKernel launch");
 }

@@ -19,7 +19,9 @@ TEST_F(CudaRmsNormTest, MatchesTheCpuBackend) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.0f, 1.5f);
   for (int64_t rows : {1, 3, 19}) {
-    for (int64_t dim : {1, 7, 512, 733, 7168}) {
+    // Each launch shape and its edges: 256 threads holding up to 16 elements (dim < 4096), 1024
+    // holding up to 8 (4096..8192), and the loop beyond.
+    for (int64_t dim : {1, 7, 512, 733, 4095, 4096, 7168, 8192, 8193}) {
       std::vector<float> x(rows * dim), w(dim);
       for (float& v : x) v = dist(rng);
       for (float& v : w) v = 1.0f + 0.1f * dist(rng);
