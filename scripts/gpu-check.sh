@@ -31,7 +31,7 @@ gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
 # What the service test starts, bundled beside the tests and named to them through the
 # environment (tests/integration/replica.cc), as is the source tree (the golden fixtures).
 gpu_programs=(services/treeverify-coordinator services/treeverify-worker)
-gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench)
+gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench bench/gemm_algo_probe)
 # Small cases for compute-sanitizer, as test binary:gtest filter. memcheck and synccheck gate on
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck
@@ -121,6 +121,7 @@ case "${1:-}" in
     # shellcheck disable=SC1091
     source "$bundle/env.sh"
     "$bundle/bin/wgmma_shape_probe" --out "$out"
+    "$bundle/bin/gemm_algo_probe" --out "$out"
     "$bundle/bin/mla_verify_bench" --out "$out" "${@:3}"
     ;;
   bundle-bench)

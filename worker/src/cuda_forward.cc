@@ -105,6 +105,9 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
                                                    c.num_hidden_layers));
   }
   TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
+  // The side branch's GEMMs run beside the main stream's: their own handle and workspace.
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> side_gemm, cuda::GemmRunner::Create());
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<SideStream> side, SideStream::Create());
   // Everything that can fail comes before the backend exists: it owns the stream from then on,
   // and a failed Create leaves the stream to the caller.
   double copy_bytes_per_second = 0.0;
@@ -119,8 +122,9 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
     TV_ASSIGN_OR_RETURN(stamps, DeviceArray<uint64_t>::Allocate(5 * c.num_hidden_layers + 8));
     TV_RETURN_IF_ERROR(kv_rows.EnableAccounting());
   }
-  std::unique_ptr<CudaForward> forward(
-      new CudaForward(std::move(weights), kv_rows, communicator, device, stream, std::move(gemm)));
+  std::unique_ptr<CudaForward> forward(new CudaForward(std::move(weights), kv_rows, communicator,
+                                                       device, stream, std::move(gemm),
+                                                       std::move(side), std::move(side_gemm)));
   forward->use_graphs_ = options.graphs;
   forward->account_steps_ = options.account_steps;
   forward->copy_bytes_per_second_ = copy_bytes_per_second;
@@ -131,14 +135,17 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
 
 CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
                          const cuda::DeviceInfo& device, cudaStream_t stream,
-                         std::unique_ptr<cuda::GemmRunner> gemm)
+                         std::unique_ptr<cuda::GemmRunner> gemm, std::unique_ptr<SideStream> side,
+                         std::unique_ptr<cuda::GemmRunner> side_gemm)
     : weights_(std::move(weights)),
       kv_rows_(kv_rows),
       communicator_(communicator),
       collectives_(communicator->world_size() > 1 ? communicator->device_collectives() : nullptr),
       device_(device),
       stream_(stream),
-      gemm_(std::move(gemm)) {
+      gemm_(std::move(gemm)),
+      side_(std::move(side)),
+      side_gemm_(std::move(side_gemm)) {
   rope_attention_factor_ = static_cast<float>(weights_.config.rope_attention_factor());
   softmax_scale_ = static_cast<float>(weights_.config.softmax_scale());
 }
@@ -626,12 +633,22 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   const ModelConfig& c = weights_.config;
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
   const int64_t heads = weights_.plan.heads.size();
-  TV_RETURN_IF_ERROR(ProjectQueries(w, layout.rows));
-  TV_RETURN_IF_ERROR(AppendNewRows(layer_index, layout.rows));
   // Trees and short chains in the absorbed form (the sequences before the first long chain),
   // then the long chains in the MHA form (their rows' values overwrite the absorbed pass's). In
   // this order: the MHA form rotates q_pe in place, which the absorbed form reads unrotated.
   const int32_t absorbed = AbsorbedSequences(layout.sequences);
+  // The KV path (kv_a, its norm, k_pe's rotation, the append) on the side stream beside the
+  // query path (q_a, its norm, q_b; W_UK and q_pe's rotation for the absorbed form): neither
+  // reads the other's outputs, and both are chains of small latency-bound kernels. Joined before
+  // the attention reads the cache.
+  TV_RETURN_IF_ERROR(side_->Fork(stream_));
+  const absl::Status kv = AppendNewRows(layer_index, layout.rows, side_->stream(), *side_gemm_);
+  absl::Status queries = ProjectQueries(w, layout.rows);
+  if (queries.ok() && absorbed > 0) queries = AbsorbedQueries(layer_index, layout.rows);
+  const absl::Status joined = side_->Join(stream_);
+  TV_RETURN_IF_ERROR(kv);
+  TV_RETURN_IF_ERROR(queries);
+  TV_RETURN_IF_ERROR(joined);
   if (absorbed > 0) {
     StepLayout absorbed_layout = layout;
     absorbed_layout.sequences = absorbed;
@@ -700,19 +717,20 @@ absl::Status CudaForward::ProjectQueries(const DeviceAttentionWeights& w, int64_
 }
 
 // The new rows' latent KV: normalized latent and rotated shared key, into the cache.
-absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows) {
+absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows, cudaStream_t stream,
+                                        cuda::GemmRunner& gemm) {
   const ModelConfig& c = weights_.config;
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
   Activations& a = activations_;
   const int64_t lora = c.kv_lora_rank;
   const int64_t row_dim = c.kv_row_dim();
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                 .weight = w.kv_a_proj.get(),
-                                 .y = a.kv_a.get(),
-                                 .m = rows,
-                                 .n = row_dim,
-                                 .k = c.hidden_size},
-                                stream_));
+  TV_RETURN_IF_ERROR(gemm.Run({.x = a.normed.get(),
+                               .weight = w.kv_a_proj.get(),
+                               .y = a.kv_a.get(),
+                               .m = rows,
+                               .n = row_dim,
+                               .k = c.hidden_size},
+                              stream));
   TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.kv_a.get(),
                                     .weight = w.kv_a_norm.get(),
                                     .output = a.kv_row.get(),
@@ -721,7 +739,7 @@ absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows) {
                                     .input_stride = row_dim,
                                     .output_stride = row_dim,
                                     .eps = kLatentNormEps},
-                                   stream_));
+                                   stream));
   TV_RETURN_IF_ERROR(
       cuda::Rope(kernels::RopeParamsOf<float, Bf16>{.x = a.kv_row.get() + lora,
                                                     .positions = inputs_.positions,
@@ -734,24 +752,21 @@ absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows) {
                                                     .attention_factor = rope_attention_factor_,
                                                     .interleaved = c.rope_interleave,
                                                     .input = a.kv_a.get() + lora},
-                 stream_));
+                 stream));
   return cuda::KvAppend({.rows = a.kv_row.get(),
                          .slots = inputs_.slots,
                          .cache = kv_rows_.layer_data(layer_index),
                          .count = rows,
                          .row_dim = row_dim,
                          .num_slots = kv_rows_.options().num_slots()},
-                        stream_);
+                        stream);
 }
 
-// The tree attention in the latent space: q_nope through W_UK (one product per head) and the
-// rotated q_pe make the absorbed query; the MLA kernel attends over the cache; the latent output
-// goes back through W_UV (one product per head) into a.values.
-absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayout& layout) {
+// The absorbed query: q_nope through W_UK (one product per head) and the rotated q_pe.
+absl::Status CudaForward::AbsorbedQueries(int64_t layer_index, int64_t rows) {
   const ModelConfig& c = weights_.config;
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
   Activations& a = activations_;
-  const int64_t rows = layout.rows;
   const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
   TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q.get(),
                                  .weight = w.w_uk_t.get(),
@@ -766,21 +781,30 @@ absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayou
                                  .weight_batch_stride = lora * nope,
                                  .y_batch_stride = row_dim},
                                 stream_));
-  TV_RETURN_IF_ERROR(
-      cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q_attn.get() + lora,
-                                                   .positions = inputs_.positions,
-                                                   .inv_freq = weights_.rope_inv_freq.get(),
-                                                   .rows = rows,
-                                                   .heads = heads,
-                                                   .rope_dim = rope,
-                                                   .row_stride = heads * row_dim,
-                                                   .head_stride = row_dim,
-                                                   .attention_factor = rope_attention_factor_,
-                                                   .interleaved = c.rope_interleave,
-                                                   .input = a.q.get() + nope,
-                                                   .input_row_stride = heads * qk,
-                                                   .input_head_stride = qk},
-                 stream_));
+  return cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q_attn.get() + lora,
+                                                      .positions = inputs_.positions,
+                                                      .inv_freq = weights_.rope_inv_freq.get(),
+                                                      .rows = rows,
+                                                      .heads = heads,
+                                                      .rope_dim = rope,
+                                                      .row_stride = heads * row_dim,
+                                                      .head_stride = row_dim,
+                                                      .attention_factor = rope_attention_factor_,
+                                                      .interleaved = c.rope_interleave,
+                                                      .input = a.q.get() + nope,
+                                                      .input_row_stride = heads * qk,
+                                                      .input_head_stride = qk},
+                    stream_);
+}
+
+// The tree attention in the latent space: the MLA kernel attends over the cache with the
+// absorbed queries; the latent output goes back through W_UV (one product per head) into
+// a.values.
+absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayout& layout) {
+  Activations& a = activations_;
+  const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
+  const int64_t rows = layout.rows;
+  const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
   const KvCacheOptions& cache = kv_rows_.options();
   const cuda::MlaVerifyShape shape{.num_seqs = layout.sequences,
                                    .max_rows_per_seq = layout.max_rows_per_seq,
@@ -952,62 +976,49 @@ absl::Status CudaForward::Mlp(int64_t layer_index, int64_t rows) {
   if (layer.is_moe) {
     return Moe(layer.moe, rows, account_steps_ ? active_experts_.get() + layer_index : nullptr);
   }
-  return GatedMlp(layer.dense, rows, activations_.branch.get());
+  return GatedMlp(layer.dense, rows, activations_.branch.get(), stream_, *gemm_);
 }
 
-absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out) {
+absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out,
+                                   cudaStream_t stream, cuda::GemmRunner& gemm) {
   Activations& a = activations_;
   const int64_t hidden = weights_.config.hidden_size;
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                 .weight = mlp.gate_up.get(),
-                                 .y = a.gate_up.get(),
-                                 .m = rows,
-                                 .n = 2 * mlp.intermediate,
-                                 .k = hidden},
-                                stream_));
+  TV_RETURN_IF_ERROR(gemm.Run({.x = a.normed.get(),
+                               .weight = mlp.gate_up.get(),
+                               .y = a.gate_up.get(),
+                               .m = rows,
+                               .n = 2 * mlp.intermediate,
+                               .k = hidden},
+                              stream));
   TV_RETURN_IF_ERROR(cuda::SiluMul(
       {.gate_up = a.gate_up.get(), .out = a.activated.get(), .rows = rows, .dim = mlp.intermediate},
-      stream_));
-  return gemm_->Run({.x = a.activated.get(),
-                     .weight = mlp.down.get(),
-                     .y = out,
-                     .m = rows,
-                     .n = hidden,
-                     .k = mlp.intermediate},
-                    stream_);
+      stream));
+  return gemm.Run({.x = a.activated.get(),
+                   .weight = mlp.down.get(),
+                   .y = out,
+                   .m = rows,
+                   .n = hidden,
+                   .k = mlp.intermediate},
+                  stream);
 }
 
 absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count) {
   const ModelConfig& c = weights_.config;
   const ShardingPlan& plan = weights_.plan;
   Activations& a = activations_;
-  const int32_t experts = static_cast<int32_t>(c.n_routed_experts);
   const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                 .weight = moe.router.get(),
-                                 .y = a.router_logits.get(),
-                                 .m = rows,
-                                 .n = experts,
-                                 .k = c.hidden_size},
-                                stream_));
-  TV_RETURN_IF_ERROR(cuda::MoeRouting(
-      {.router_logits = a.router_logits.get(),
-       .correction_bias = moe.correction_bias.size() > 0 ? moe.correction_bias.get() : nullptr,
-       .topk_ids = a.topk_ids.get(),
-       .topk_weights = a.topk_weights.get(),
-       .tokens = rows,
-       .num_experts = experts,
-       .top_k = top_k,
-       .num_groups = static_cast<int32_t>(c.n_group),
-       .topk_groups = static_cast<int32_t>(c.topk_group),
-       .scoring = c.scoring_func,
-       .method = c.topk_method,
-       .normalize = c.norm_topk_prob,
-       .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor),
-       .routed_tokens = inputs_.routed_rows},
-      stream_));
+  // The shared expert on the side stream beside the router and the routing (both read only the
+  // normed rows); joined before the experts, whose combine adds its output.
   const bool shared = moe.shared.intermediate > 0;
-  if (shared) TV_RETURN_IF_ERROR(GatedMlp(moe.shared, rows, a.shared_out.get()));
+  if (shared) TV_RETURN_IF_ERROR(side_->Fork(stream_));
+  const absl::Status shared_done =
+      shared ? GatedMlp(moe.shared, rows, a.shared_out.get(), side_->stream(), *side_gemm_)
+             : absl::OkStatus();
+  const absl::Status routed = Route(moe, rows);
+  const absl::Status joined = shared ? side_->Join(stream_) : absl::OkStatus();
+  TV_RETURN_IF_ERROR(shared_done);
+  TV_RETURN_IF_ERROR(routed);
+  TV_RETURN_IF_ERROR(joined);
   return cuda::MoeExperts({.x = a.normed.get(),
                            .topk_ids = a.topk_ids.get(),
                            .topk_weights = a.topk_weights.get(),
@@ -1026,6 +1037,37 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
                            .packed_up = moe.up.get(),
                            .packed_down = moe.down.get()},
                           a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count);
+}
+
+// The router's logits and each row's top-k experts and weights.
+absl::Status CudaForward::Route(const DeviceMoeWeights& moe, int64_t rows) {
+  const ModelConfig& c = weights_.config;
+  Activations& a = activations_;
+  const int32_t experts = static_cast<int32_t>(c.n_routed_experts);
+  const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
+  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
+                                 .weight = moe.router.get(),
+                                 .y = a.router_logits.get(),
+                                 .m = rows,
+                                 .n = experts,
+                                 .k = c.hidden_size},
+                                stream_));
+  return cuda::MoeRouting(
+      {.router_logits = a.router_logits.get(),
+       .correction_bias = moe.correction_bias.size() > 0 ? moe.correction_bias.get() : nullptr,
+       .topk_ids = a.topk_ids.get(),
+       .topk_weights = a.topk_weights.get(),
+       .tokens = rows,
+       .num_experts = experts,
+       .top_k = top_k,
+       .num_groups = static_cast<int32_t>(c.n_group),
+       .topk_groups = static_cast<int32_t>(c.topk_group),
+       .scoring = c.scoring_func,
+       .method = c.topk_method,
+       .normalize = c.norm_topk_prob,
+       .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor),
+       .routed_tokens = inputs_.routed_rows},
+      stream_);
 }
 
 }  // namespace treeverify::worker

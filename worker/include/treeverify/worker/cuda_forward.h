@@ -39,6 +39,7 @@
 #include "treeverify/worker/forward_backend.h"
 #include "treeverify/worker/kv_storage.h"
 #include "treeverify/worker/model_weights.h"
+#include "treeverify/worker/side_stream.h"
 #include "treeverify/worker/step_accounting.h"
 
 namespace treeverify::worker {
@@ -154,7 +155,8 @@ class CudaForward final : public ForwardBackend {
 
   CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
               const kernels::cuda::DeviceInfo& device, cudaStream_t stream,
-              std::unique_ptr<kernels::cuda::GemmRunner> gemm);
+              std::unique_ptr<kernels::cuda::GemmRunner> gemm, std::unique_ptr<SideStream> side,
+              std::unique_ptr<kernels::cuda::GemmRunner> side_gemm);
   // Accounting: Mark records the time that closes the interval since the previous mark, which
   // counts to `phase`; Account turns the step's intervals into last_account_.
   absl::Status StartAccount();
@@ -192,14 +194,19 @@ class CudaForward final : public ForwardBackend {
   };
   AttentionDims attention_dims() const;
   absl::Status ProjectQueries(const DeviceAttentionWeights& w, int64_t rows);
-  absl::Status AppendNewRows(int64_t layer, int64_t rows);
+  // The new rows' latent KV into the cache, on `stream` with `gemm` (the side branch's).
+  absl::Status AppendNewRows(int64_t layer, int64_t rows, cudaStream_t stream,
+                             kernels::cuda::GemmRunner& gemm);
+  absl::Status AbsorbedQueries(int64_t layer, int64_t rows);
   absl::Status AbsorbedAttention(int64_t layer, const StepLayout& layout);
   absl::Status PrefillAttention(int64_t layer, const StepLayout& layout);
   absl::Status Mlp(int64_t layer, int64_t rows);
-  // out = down(silu(gate . x) * (up . x)) of the normed rows.
-  absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out);
+  // out = down(silu(gate . x) * (up . x)) of the normed rows, on `stream` with `gemm`.
+  absl::Status GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, float* out, cudaStream_t stream,
+                        kernels::cuda::GemmRunner& gemm);
   // active_count (device): where the MoE grouping writes the layer's active experts, or null.
   absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count);
+  absl::Status Route(const DeviceMoeWeights& moe, int64_t rows);
   absl::Status AllReduce(float* data, int64_t count);
   absl::Status CopyToHost(const float* data, int64_t count, std::vector<float>& host);
   absl::StatusOr<const kernels::cuda::MlaVerifyPlan*> MlaPlanFor(
@@ -213,6 +220,9 @@ class CudaForward final : public ForwardBackend {
   kernels::cuda::DeviceInfo device_;
   cudaStream_t stream_;
   std::unique_ptr<kernels::cuda::GemmRunner> gemm_;
+  // Independent chains of a layer's small kernels run beside the main stream's (side_stream.h).
+  std::unique_ptr<SideStream> side_;
+  std::unique_ptr<kernels::cuda::GemmRunner> side_gemm_;
   Activations activations_;
   StepInputs inputs_;
   StepLaunch last_launch_ = StepLaunch::kEager;

@@ -1,0 +1,192 @@
+// How far cuBLASLt's first heuristic choice is from its best candidate, for the dense products of
+// one TP8 rank of Kimi-K2 at verify sizes (bench/NOTES.md, step 95). For each shape (y[m, n] =
+// x[m, k] . W[n, k]^T, bf16 in, fp32 accumulate, bf16 or fp32 out, as GemmRunner asks) it takes
+// up to 32 heuristic candidates and times each cold: the L2 is flushed (a 256 MB write) before
+// every launch, since a verify step reads each weight once. Prints per shape the weight's bytes,
+// the first candidate's and the fastest candidate's median time, their bandwidths and the floor
+// (bytes / measured copy bandwidth).
+//
+//   gemm_algo_probe [--out DIR]     (writes DIR/gemm_algo_probe.md)
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                                         \
+  do {                                                                                           \
+    cudaError_t e_ = (expr);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+#define CHECK_LT(expr)                                                                   \
+  do {                                                                                   \
+    cublasStatus_t s_ = (expr);                                                          \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      std::fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #expr, int(s_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int64_t m, n, k;
+  bool float_output;
+};
+
+constexpr int64_t kFlushBytes = int64_t{256} << 20;
+constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;
+constexpr int kRepeats = 7;
+constexpr int kMaxCandidates = 32;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_dir = ".";
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
+      out_dir = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--out DIR]\n", argv[0]);
+      return 2;
+    }
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasLtHandle_t handle;
+  CHECK_LT(cublasLtCreate(&handle));
+  void* flush;
+  void* workspace;
+  CHECK_CUDA(cudaMalloc(&flush, kFlushBytes));
+  CHECK_CUDA(cudaMalloc(&workspace, kWorkspaceBytes));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+
+  // The copy bandwidth the floor is held against: a device-to-device copy of 1 GB.
+  double copy_bytes_per_s = 0;
+  {
+    const int64_t bytes = int64_t{1} << 30;
+    void *a, *b;
+    CHECK_CUDA(cudaMalloc(&a, bytes));
+    CHECK_CUDA(cudaMalloc(&b, bytes));
+    std::vector<double> times;
+    for (int r = 0; r < 5; ++r) {
+      CHECK_CUDA(cudaEventRecord(start, stream));
+      CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream));
+      CHECK_CUDA(cudaEventRecord(stop, stream));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      times.push_back(ms * 1e-3);
+    }
+    copy_bytes_per_s = 2.0 * bytes / Median(times);  // read + write
+    CHECK_CUDA(cudaFree(a));
+    CHECK_CUDA(cudaFree(b));
+  }
+
+  // One TP8 rank of Kimi-K2 (hidden 7168, 8 heads, q_lora 1536, kv row 576, 384 experts, the
+  // shared expert's 2048 / 8 columns, vocab 163840 / 8).
+  const Shape shapes[] = {
+      {"q_a", 16, 1536, 7168, false},           {"kv_a", 16, 576, 7168, false},
+      {"q_a + kv_a", 16, 2112, 7168, false},    {"q_b", 16, 1536, 1536, false},
+      {"o_proj", 16, 7168, 1024, false},        {"router", 16, 384, 7168, true},
+      {"shared gate/up", 16, 512, 7168, false}, {"shared down", 16, 7168, 256, false},
+      {"lm_head", 16, 20480, 7168, true},       {"q_a", 64, 1536, 7168, false},
+      {"o_proj", 64, 7168, 1024, false},        {"q_a", 1, 1536, 7168, false},
+      {"o_proj", 1, 7168, 1024, false},
+  };
+  std::string table =
+      "| shape | m | n | k | MB | candidates | first us | first TB/s | best us | best TB/s | best "
+      "is # | floor us | first / best |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  std::printf("copy bandwidth %.0f GB/s\n", copy_bytes_per_s / 1e9);
+  for (const Shape& s : shapes) {
+    const cudaDataType_t out_type = s.float_output ? CUDA_R_32F : CUDA_R_16BF;
+    const int64_t out_size = s.float_output ? 4 : 2;
+    void *x, *w, *y;
+    CHECK_CUDA(cudaMalloc(&x, s.m * s.k * 2));
+    CHECK_CUDA(cudaMalloc(&w, s.n * s.k * 2));
+    CHECK_CUDA(cudaMalloc(&y, s.m * s.n * out_size));
+    CHECK_CUDA(cudaMemset(x, 0, s.m * s.k * 2));
+    CHECK_CUDA(cudaMemset(w, 0, s.n * s.k * 2));
+    cublasLtMatmulDesc_t op;
+    CHECK_LT(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    CHECK_LT(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
+    cublasLtMatrixLayout_t a, b, d;
+    CHECK_LT(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, s.k, s.n, s.k));
+    CHECK_LT(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, s.k, s.m, s.k));
+    CHECK_LT(cublasLtMatrixLayoutCreate(&d, out_type, s.n, s.m, s.n));
+    cublasLtMatmulPreference_t preference;
+    CHECK_LT(cublasLtMatmulPreferenceCreate(&preference));
+    const uint64_t workspace_bytes = kWorkspaceBytes;
+    CHECK_LT(cublasLtMatmulPreferenceSetAttribute(preference,
+                                                  CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &workspace_bytes, sizeof(workspace_bytes)));
+    cublasLtMatmulHeuristicResult_t results[kMaxCandidates];
+    int found = 0;
+    CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, op, a, b, d, d, preference, kMaxCandidates,
+                                            results, &found));
+    const float alpha = 1.0f, beta = 0.0f;
+    std::vector<double> medians;
+    for (int c = 0; c < found; ++c) {
+      std::vector<double> times;
+      bool failed = false;
+      for (int r = 0; r < kRepeats && !failed; ++r) {
+        CHECK_CUDA(cudaMemsetAsync(flush, r, kFlushBytes, stream));
+        CHECK_CUDA(cudaEventRecord(start, stream));
+        failed = cublasLtMatmul(handle, op, &alpha, w, a, x, b, &beta, y, d, y, d, &results[c].algo,
+                                workspace, kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS;
+        CHECK_CUDA(cudaEventRecord(stop, stream));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms * 1e3);
+      }
+      medians.push_back(failed ? 1e30 : Median(times));
+    }
+    const int best =
+        static_cast<int>(std::min_element(medians.begin(), medians.end()) - medians.begin());
+    const double bytes = static_cast<double>(s.n * s.k * 2 + s.m * s.k * 2 + s.m * s.n * out_size);
+    const double floor_us = bytes / copy_bytes_per_s * 1e6;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "| %s | %lld | %lld | %lld | %.1f | %d | %.1f | %.2f | %.1f | %.2f | %d | %.1f | "
+                  "%.2f |\n",
+                  s.name, static_cast<long long>(s.m), static_cast<long long>(s.n),
+                  static_cast<long long>(s.k), bytes / 1e6, found, medians[0],
+                  bytes / medians[0] / 1e6, medians[best], bytes / medians[best] / 1e6, best,
+                  floor_us, medians[0] / medians[best]);
+    std::printf("%s", line);
+    table += line;
+    cublasLtMatmulPreferenceDestroy(preference);
+    cublasLtMatrixLayoutDestroy(a);
+    cublasLtMatrixLayoutDestroy(b);
+    cublasLtMatrixLayoutDestroy(d);
+    cublasLtMatmulDescDestroy(op);
+    CHECK_CUDA(cudaFree(x));
+    CHECK_CUDA(cudaFree(w));
+    CHECK_CUDA(cudaFree(y));
+  }
+  std::ofstream(out_dir + "/gemm_algo_probe.md")
+      << "copy bandwidth " << copy_bytes_per_s / 1e9 << " GB/s; times are medians of " << kRepeats
+      << " cold launches (L2 flushed), event-timed\n\n"
+      << table;
+  return 0;
+}
