@@ -5,8 +5,10 @@
 #                                        copies them with their libraries into .gpu-bundle/
 #                                        (git-ignored)
 #   scripts/gpu-check.sh run [OUTDIR]    on the GPU machine, from the repository root: runs every
-#                                        bundled test (a skipped test counts as a failure there)
-#                                        and compute-sanitizer on small cases
+#                                        bundled test (a skipped test counts as a failure there;
+#                                        SUITE_TIMEOUT bounds each suite, 240 s), the two-GPU
+#                                        forward tests 8 times more where there are two GPUs, and
+#                                        compute-sanitizer on small cases (SANITIZE=0: not)
 #   scripts/gpu-check.sh bench [OUTDIR] [ARGS...]  on the GPU machine: the GPU benchmarks
 #
 # A/B runs of the attention benchmark (bench/NOTES.md: both builds in one call, alternated):
@@ -75,10 +77,13 @@ case "${1:-}" in
       echo "gpu-check: one GPU: the *OnTwoGpus tests are not run (the nvidia-h200-x2 kind runs them)"
     fi
     status=0
+    # Each suite is bounded, so that a hang fails its suite and the check goes on to the next.
     for t in "${gpu_tests[@]}"; do
       name=$(basename "$t")
-      if ! "$bundle/bin/$name" "${filter[@]}" >"$out/$name.log" 2>&1; then
+      if ! timeout -s INT "${SUITE_TIMEOUT:-240}" "$bundle/bin/$name" "${filter[@]}" \
+          >"$out/$name.log" 2>&1; then
         status=1
+        echo "gpu-check: $name failed or timed out (${SUITE_TIMEOUT:-240} s)" >&2
       fi
       grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error" "$out/$name.log" | sed "s/^/$name: /" || true
       if grep -q "SKIPPED \]" "$out/$name.log"; then
@@ -87,18 +92,29 @@ case "${1:-}" in
       fi
       cat "$out/$name.log" >>"$out/tests.log" && rm "$out/$name.log"
     done
+    # The two-GPU forward tests again, repeated: ranks over NCCL hung once in a few runs (bench/
+    # NOTES.md, step 95), which one pass does not show.
+    if [ ${#filter[@]} -eq 0 ]; then
+      if ! timeout -s INT 120 "$bundle/bin/cuda_forward_test" --gtest_filter='*OnTwoGpus' \
+          --gtest_repeat=8 >"$out/two-gpu-repeat.log" 2>&1; then
+        status=1
+        echo "gpu-check: the two-GPU forward tests failed or hung in 8 repeats" >&2
+      fi
+      grep -c "OK \]" "$out/two-gpu-repeat.log" | sed 's/^/two-GPU repeats, tests passed: /'
+      cat "$out/two-gpu-repeat.log" >>"$out/tests.log" && rm "$out/two-gpu-repeat.log"
+    fi
     # One compute-sanitizer pass; its failure fails the check when `gating` is yes.
     sanitize() {
       local tool=$1 gating=$2 entry=$3
-      local name=${entry%%:*} filter=${entry#*:}
+      local name=${entry%%:*} tests=${entry#*:}
       local log=$out/sanitizer-$tool.log
       if ! compute-sanitizer --tool "$tool" --error-exitcode 3 "$bundle/bin/$name" \
-          --gtest_filter="$filter" >"$log" 2>&1; then
+          --gtest_filter="$tests" >"$log" 2>&1; then
         if [ "$gating" = yes ]; then
-          echo "gpu-check: compute-sanitizer $tool failed on $name ($filter)" >&2
+          echo "gpu-check: compute-sanitizer $tool failed on $name ($tests)" >&2
           status=1
         else
-          echo "gpu-check: $tool reported hazards on $name ($filter; recorded, not gating)" >&2
+          echo "gpu-check: $tool reported hazards on $name ($tests; recorded, not gating)" >&2
         fi
       fi
       tail -n 2 "$log" | sed "s/^/$tool $name: /"
@@ -107,6 +123,12 @@ case "${1:-}" in
       fi
       cat "$log" >>"$out/sanitizer.log" && rm "$log"
     }
+    # SANITIZE=0 leaves the sanitizers out (a call of its own when one call would run past the
+    # device tool's 10 minutes: the suites and the two-GPU repeats take about 5 of them).
+    if [ "${SANITIZE:-1}" = 0 ]; then
+      echo "gpu-check: sanitizers left out (SANITIZE=0)"
+      exit $status
+    fi
     for entry in "${sanitized[@]}"; do
       sanitize memcheck yes "$entry"
       sanitize synccheck yes "$entry"
