@@ -168,6 +168,7 @@ absl::Status CudaForward::JoinSide() {
 CudaForward::~CudaForward() {
   // Bounded where collectives may be in flight (a failed step has already waited for them).
   if (!Synchronize().ok()) cudaStreamSynchronize(stream_);
+  if (side_ != nullptr) side_->Synchronize().IgnoreError();  // before the buffers go
   DropGraphs();
   cudaStreamDestroy(stream_);
 }
@@ -336,7 +337,10 @@ absl::Status CudaForward::CopyToHost(const float* data, int64_t count, std::vect
 // is bounded by its timeout instead.
 absl::Status CudaForward::Synchronize() {
   if (collectives_ != nullptr) return collectives_->WaitForStream(stream_);
-  return cuda::CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  TV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  // Joined side work is done once the main stream is; this covers a join that failed, before
+  // buffers the side stream reads are reused or freed.
+  return side_ != nullptr ? side_->Synchronize() : absl::OkStatus();
 }
 
 // On the device through NCCL; otherwise (a host communicator: Gloo, in-process) through the

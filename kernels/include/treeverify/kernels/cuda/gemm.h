@@ -29,7 +29,7 @@ namespace treeverify::kernels::cuda {
 class GemmRunner {
  public:
   // Allocates the workspace on the current device. Every Run uses it, so Runs on different
-  // streams must be ordered (the forward runs on one stream).
+  // streams must be ordered (the forward's side stream has a runner of its own).
   static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(int64_t workspace_bytes = 32 << 20);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
