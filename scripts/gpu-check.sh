@@ -20,6 +20,15 @@
 #                                                (e.g. --only 8,1,16384,1); OUTDIR/NAME-PASS.json
 #   scripts/bench-compare.py OUTDIR              here: the table of those runs
 #
+# A/B runs of the rank step (bench/NOTES.md from step 90):
+#   scripts/gpu-check.sh rank-ab OUTDIR BEFORE AFTER [-- ARGS...]  on the GPU machine: two
+#                                                rank_step_bench binaries (the bundle's libraries)
+#                                                alternated twice (OUTDIR/{before,after}-PASS.json
+#                                                and .log), then a CUPTI trace of one step of each
+#                                                (OUTDIR/{before,after}-trace.tsv, for
+#                                                scripts/kernel-timeline.py). ARGS default to
+#                                                4 layers, both shardings, 46k, 1/16/64 nodes
+#
 # With the device tool: carry .gpu-bundle and run
 #   bash scripts/gpu-check.sh run $OUT && bash scripts/gpu-check.sh bench $OUT
 set -euo pipefail
@@ -191,9 +200,45 @@ case "${1:-}" in
       done
     done
     ;;
+  rank-ab)
+    out=${2:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
+    before=${3:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
+    after=${4:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
+    shift 4
+    if [ "${1:-}" = -- ]; then shift; fi
+    args=("$@")
+    if [ ${#args[@]} -eq 0 ]; then
+      # shellcheck disable=SC2054  # the commas belong to the bench's lists
+      args=(--layers 4 --sharding split,whole --contexts 46080 --trees 1,16,64 --iters 10)
+    fi
+    mkdir -p "$out"
+    # shellcheck disable=SC1091
+    source "$bundle/env.sh"
+    for pass in 1 2; do
+      for name in before after; do
+        binary=$before
+        if [ $name = after ]; then binary=$after; fi
+        if ! timeout 150 "$binary" "${args[@]}" --json "$out/$name-$pass.json" \
+            >"$out/$name-$pass.log" 2>&1; then
+          echo "gpu-check: $name failed (pass $pass)" >&2
+          tail -n 20 "$out/$name-$pass.log" >&2
+          exit 1
+        fi
+      done
+    done
+    for name in before after; do
+      binary=$before
+      if [ $name = after ]; then binary=$after; fi
+      CUDA_INJECTION64_PATH=$bundle/lib/libcupti_trace.so TREEVERIFY_TRACE=$out/$name-trace.tsv \
+        timeout 90 "$binary" --layers 4 --sharding split --contexts 46080 --trees 16 --iters 3 \
+        >"$out/$name-trace.log" 2>&1 || echo "gpu-check: the $name trace failed" >&2
+    done
+    grep -h "tree 16" "$out"/*-2.log || true
+    ;;
   *)
     echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...] |" \
-      "bundle-bench REV DIR [BINARY...] | ab OUTDIR DIR... [-- ARGS...]" >&2
+      "bundle-bench REV DIR [BINARY...] | ab OUTDIR DIR... [-- ARGS...] |" \
+      "rank-ab OUTDIR BEFORE AFTER [-- ARGS...]" >&2
     exit 2
     ;;
 esac
