@@ -21,21 +21,21 @@
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                         \
-  do {                                                                                           \
-    cudaError_t e_ = (expr);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
+// A failed CUDA or cuBLASLt call ends the probe, naming the call.
+void Check(bool ok, const char* expression, int line, const char* detail) {
+  if (ok) return;
+  std::fprintf(stderr, "gemm_algo_probe.cu:%d %s: %s\n", line, expression, detail);
+  std::exit(1);
+}
+#define CHECK_CUDA(expr)                                               \
+  do {                                                                 \
+    const cudaError_t e_ = (expr);                                     \
+    Check(e_ == cudaSuccess, #expr, __LINE__, cudaGetErrorString(e_)); \
   } while (0)
-#define CHECK_LT(expr)                                                                   \
-  do {                                                                                   \
-    cublasStatus_t s_ = (expr);                                                          \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      std::fprintf(stderr, "%s:%d %s: status %d\n", __FILE__, __LINE__, #expr, int(s_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CHECK_LT(expr)                                                                \
+  do {                                                                                \
+    const cublasStatus_t s_ = (expr);                                                 \
+    Check(s_ == CUBLAS_STATUS_SUCCESS, #expr, __LINE__, cublasLtGetStatusString(s_)); \
   } while (0)
 
 struct Shape {

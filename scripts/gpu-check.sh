@@ -42,7 +42,8 @@ gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
 # What the service test starts, bundled beside the tests and named to them through the
 # environment (tests/integration/replica.cc), as is the source tree (the golden fixtures).
 gpu_programs=(services/treeverify-coordinator services/treeverify-worker)
-gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench bench/gemm_algo_probe)
+gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench
+             bench/gemm_algo_probe)
 # Small cases for compute-sanitizer, as test binary:gtest filter. memcheck and synccheck gate on
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck
@@ -202,8 +203,8 @@ case "${1:-}" in
     ;;
   rank-ab)
     out=${2:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
-    before=${3:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
-    after=${4:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
+    declare -A bench_of=([before]=${3:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
+                        [after]=${4:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]})
     shift 4
     if [ "${1:-}" = -- ]; then shift; fi
     args=("$@")
@@ -216,9 +217,7 @@ case "${1:-}" in
     source "$bundle/env.sh"
     for pass in 1 2; do
       for name in before after; do
-        binary=$before
-        if [ $name = after ]; then binary=$after; fi
-        if ! timeout 150 "$binary" "${args[@]}" --json "$out/$name-$pass.json" \
+        if ! timeout 150 "${bench_of[$name]}" "${args[@]}" --json "$out/$name-$pass.json" \
             >"$out/$name-$pass.log" 2>&1; then
           echo "gpu-check: $name failed (pass $pass)" >&2
           tail -n 20 "$out/$name-$pass.log" >&2
@@ -227,11 +226,9 @@ case "${1:-}" in
       done
     done
     for name in before after; do
-      binary=$before
-      if [ $name = after ]; then binary=$after; fi
       CUDA_INJECTION64_PATH=$bundle/lib/libcupti_trace.so TREEVERIFY_TRACE=$out/$name-trace.tsv \
-        timeout 90 "$binary" --layers 4 --sharding split --contexts 46080 --trees 16 --iters 3 \
-        >"$out/$name-trace.log" 2>&1 || echo "gpu-check: the $name trace failed" >&2
+        timeout 90 "${bench_of[$name]}" --layers 4 --sharding split --contexts 46080 --trees 16 \
+        --iters 3 >"$out/$name-trace.log" 2>&1 || echo "gpu-check: the $name trace failed" >&2
     done
     grep -h "tree 16" "$out"/*-2.log || true
     ;;
