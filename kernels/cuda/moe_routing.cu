@@ -1,6 +1,9 @@
 // MoE routing, one block per token. The scores are computed by all threads; the group top-k
-// runs on one thread with the CPU op's own TopK (top_k.h; a few groups), the expert top-k as top_k
-// rounds of a block-wide arg-max (a single thread walking 384 experts took 66 us per layer).
+// runs on one thread with the CPU op's own TopK (top_k.h; a few groups); the expert top-k on one
+// warp, each lane keeping a sorted list of its experts' best in registers, the lanes' lists then
+// merged by a butterfly of bitonic merges (WarpTopK). A single thread walking 384 experts took 66
+// us a layer; top_k rounds of a block-wide arg-max, two barriers and a serial merge of the warps'
+// winners a round, 11.7 (bench/NOTES.md, step 97).
 #include <cfloat>
 #include <cstdint>
 
@@ -14,6 +17,72 @@ namespace {
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kRoutingThreads = 256;
+
+// (value, id): the larger value first, the lower id among equal values (the CPU's TopK picks the
+// same set); id -1 (no expert) after every expert.
+__device__ __forceinline__ bool Before(float value, int32_t id, float other_value,
+                                       int32_t other_id) {
+  return id >= 0 &&
+         (other_id < 0 || value > other_value || (value == other_value && id < other_id));
+}
+
+__device__ __forceinline__ void SwapIfBefore(float& value, int32_t& id, float& other_value,
+                                             int32_t& other_id) {
+  if (Before(value, id, other_value, other_id)) {
+    const float v = value;
+    const int32_t i = id;
+    value = other_value;
+    id = other_id;
+    other_value = v;
+    other_id = i;
+  }
+}
+
+// The best kK of choice[0, n) in order (kK a power of two), on every lane of the calling warp.
+// Each lane inserts its experts (lane, lane + 32, ...) into a sorted list in registers; then five
+// butterfly steps each keep the best kK of two lanes' lists: the pairwise better of one list and
+// the other reversed is bitonic, and a bitonic merge sorts it. The order is total (ids are
+// unique), so both lanes of a pair, and finally all 32, hold the same list.
+template <int kK>
+__device__ void WarpTopK(const float* choice, int32_t n, float (&value)[kK], int32_t (&id)[kK]) {
+  static_assert(kK >= 2 && (kK & (kK - 1)) == 0);
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) {
+    value[j] = -INFINITY;
+    id[j] = -1;
+  }
+  for (int32_t e = lane; e < n; e += 32) {
+    float v = choice[e];
+    int32_t i = e;
+#pragma unroll
+    for (int j = 0; j < kK; ++j) SwapIfBefore(v, i, value[j], id[j]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    float other_value[kK];
+    int32_t other_id[kK];
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+      other_value[j] = __shfl_xor_sync(0xffffffffu, value[j], offset);
+      other_id[j] = __shfl_xor_sync(0xffffffffu, id[j], offset);
+    }
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+      if (Before(other_value[kK - 1 - j], other_id[kK - 1 - j], value[j], id[j])) {
+        value[j] = other_value[kK - 1 - j];
+        id[j] = other_id[kK - 1 - j];
+      }
+    }
+#pragma unroll
+    for (int stride = kK / 2; stride > 0; stride /= 2) {
+#pragma unroll
+      for (int j = 0; j < kK; ++j) {
+        if ((j & stride) == 0) SwapIfBefore(value[j + stride], id[j + stride], value[j], id[j]);
+      }
+    }
+  }
+}
 
 // Block-wide reductions in double over one value per thread, fixed order.
 __device__ double BlockMax(double value, double* scratch) {
@@ -40,6 +109,7 @@ __device__ double BlockSum(double value, double* scratch) {
   return result;
 }
 
+template <int kK>  // a power of two >= top_k
 __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingParams p) {
   __shared__ float scores[kMaxExperts];
   __shared__ float choice[kMaxExperts];
@@ -56,9 +126,14 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   const int32_t num_experts = p.num_experts;
   const float* logits = p.router_logits + static_cast<int64_t>(blockIdx.x) * num_experts;
 
+  const bool biased = p.method == MoeTopkMethod::kNoauxTc;
   if (p.scoring == MoeScoring::kSigmoid) {
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      scores[e] = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logits[e]))));
+      const float logit = logits[e];
+      const float bias = biased ? p.correction_bias[e] : 0.0f;  // loaded beside the logit
+      const float score = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logit))));
+      scores[e] = score;
+      choice[e] = biased ? __fadd_rn(score, bias) : score;
     }
   } else {
     double max_logit = -DBL_MAX;
@@ -72,12 +147,10 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
     }
     sum = BlockSum(sum, scratch);
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      scores[e] = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
+      const float score = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
+      scores[e] = score;
+      choice[e] = biased ? __fadd_rn(score, p.correction_bias[e]) : score;
     }
-  }
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    choice[e] = p.method == MoeTopkMethod::kNoauxTc ? __fadd_rn(scores[e], p.correction_bias[e])
-                                                    : scores[e];
   }
   __syncthreads();
 
@@ -110,55 +183,14 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
     __syncthreads();
   }
 
-  // top_k rounds of a block-wide arg-max over the experts not yet taken: the largest choice,
-  // the lower id among equals (the CPU's TopK picks the same set).
-  __shared__ int32_t ids[kMaxTopK];
-  __shared__ bool taken[kMaxExperts];
-  __shared__ float warp_best[kRoutingThreads / 32];
-  __shared__ int32_t warp_best_id[kRoutingThreads / 32];
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) taken[e] = false;
-  __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int32_t round = 0; round < p.top_k; ++round) {
-    float best = -INFINITY;
-    int32_t best_id = INT32_MAX;
-    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      if (!taken[e] && (choice[e] > best || best_id == INT32_MAX)) {
-        best = choice[e];
-        best_id = e;
-      }
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int32_t other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-      if (other_id != INT32_MAX &&
-          (best_id == INT32_MAX || other > best || (other == best && other_id < best_id))) {
-        best = other;
-        best_id = other_id;
-      }
-    }
-    if (lane == 0) {
-      warp_best[warp] = best;
-      warp_best_id[warp] = best_id;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < kRoutingThreads / 32; ++w) {
-        const int32_t id = warp_best_id[w];
-        if (id != INT32_MAX && (best_id == INT32_MAX || warp_best[w] > best ||
-                                (warp_best[w] == best && id < best_id))) {
-          best = warp_best[w];
-          best_id = id;
-        }
-      }
-      ids[round] = best_id;
-      taken[best_id] = true;
-    }
-    __syncthreads();
-  }
+  if (threadIdx.x >= 32) return;
+  float best_value[kK];
+  int32_t best_id[kK];
+  WarpTopK<kK>(choice, num_experts, best_value, best_id);
   if (threadIdx.x != 0) return;
-  int32_t sorted[kMaxTopK];
-  for (int32_t i = 0; i < p.top_k; ++i) sorted[i] = ids[i];
+  int32_t sorted[kK];
+#pragma unroll
+  for (int32_t i = 0; i < kK; ++i) sorted[i] = best_id[i];
   for (int32_t i = 1; i < p.top_k; ++i) {  // ascending ids
     const int32_t id = sorted[i];
     int32_t j = i;
@@ -167,7 +199,7 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   }
   // noaux_tc weighs by the plain scores; the softmax routers by the (masked) scores they ranked.
   const float* weight_source = p.method == MoeTopkMethod::kNoauxTc ? scores : choice;
-  float weights[kMaxTopK];
+  float weights[kK];
   for (int32_t j = 0; j < p.top_k; ++j) weights[j] = weight_source[sorted[j]];
   if (p.normalize) {
     double sum = 0.0;
@@ -205,7 +237,14 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  MoeRoutingKernel<<<static_cast<unsigned>(p.tokens), kRoutingThreads, 0, stream>>>(p);
+  const unsigned blocks = static_cast<unsigned>(p.tokens);
+  if (p.top_k <= 8) {
+    MoeRoutingKernel<8><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  } else if (p.top_k <= 16) {
+    MoeRoutingKernel<16><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  } else {
+    MoeRoutingKernel<32><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  }
   return CudaStatus(cudaGetLastError(), "MoeRoutingKernel launch");
 }
 
