@@ -105,9 +105,16 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
                                                    c.num_hidden_layers));
   }
   TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
-  // The side branch's GEMMs run beside the main stream's: their own handle and workspace.
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> side_gemm, cuda::GemmRunner::Create());
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<SideStream> side, SideStream::Create());
+  // The side branch's GEMMs run beside the main stream's: their own handle and workspace. Not
+  // over NCCL yet: repeated two-GPU tests hung once in a few runs with it (bench/NOTES.md, step
+  // 95), not yet told apart from a hang of the one-stream code; until then ranks over NCCL run
+  // every chain on the one stream.
+  std::unique_ptr<cuda::GemmRunner> side_gemm;
+  std::unique_ptr<SideStream> side;
+  if (communicator->world_size() == 1 || communicator->device_collectives() == nullptr) {
+    TV_ASSIGN_OR_RETURN(side_gemm, cuda::GemmRunner::Create());
+    TV_ASSIGN_OR_RETURN(side, SideStream::Create());
+  }
   // Everything that can fail comes before the backend exists: it owns the stream from then on,
   // and a failed Create leaves the stream to the caller.
   double copy_bytes_per_second = 0.0;
@@ -148,6 +155,14 @@ CudaForward::CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communic
       side_gemm_(std::move(side_gemm)) {
   rope_attention_factor_ = static_cast<float>(weights_.config.rope_attention_factor());
   softmax_scale_ = static_cast<float>(weights_.config.softmax_scale());
+}
+
+absl::Status CudaForward::ForkSide() {
+  return side_ != nullptr ? side_->Fork(stream_) : absl::OkStatus();
+}
+
+absl::Status CudaForward::JoinSide() {
+  return side_ != nullptr ? side_->Join(stream_) : absl::OkStatus();
 }
 
 CudaForward::~CudaForward() {
@@ -641,11 +656,11 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   // query path (q_a, its norm, q_b; W_UK and q_pe's rotation for the absorbed form): neither
   // reads the other's outputs, and both are chains of small latency-bound kernels. Joined before
   // the attention reads the cache.
-  TV_RETURN_IF_ERROR(side_->Fork(stream_));
-  const absl::Status kv = AppendNewRows(layer_index, layout.rows, side_->stream(), *side_gemm_);
+  TV_RETURN_IF_ERROR(ForkSide());
+  const absl::Status kv = AppendNewRows(layer_index, layout.rows, side_stream(), side_gemm());
   absl::Status queries = ProjectQueries(w, layout.rows);
   if (queries.ok() && absorbed > 0) queries = AbsorbedQueries(layer_index, layout.rows);
-  const absl::Status joined = side_->Join(stream_);
+  const absl::Status joined = JoinSide();
   TV_RETURN_IF_ERROR(kv);
   TV_RETURN_IF_ERROR(queries);
   TV_RETURN_IF_ERROR(joined);
@@ -1010,12 +1025,12 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
   // The shared expert on the side stream beside the router and the routing (both read only the
   // normed rows); joined before the experts, whose combine adds its output.
   const bool shared = moe.shared.intermediate > 0;
-  if (shared) TV_RETURN_IF_ERROR(side_->Fork(stream_));
+  if (shared) TV_RETURN_IF_ERROR(ForkSide());
   const absl::Status shared_done =
-      shared ? GatedMlp(moe.shared, rows, a.shared_out.get(), side_->stream(), *side_gemm_)
+      shared ? GatedMlp(moe.shared, rows, a.shared_out.get(), side_stream(), side_gemm())
              : absl::OkStatus();
   const absl::Status routed = Route(moe, rows);
-  const absl::Status joined = shared ? side_->Join(stream_) : absl::OkStatus();
+  const absl::Status joined = shared ? JoinSide() : absl::OkStatus();
   TV_RETURN_IF_ERROR(shared_done);
   TV_RETURN_IF_ERROR(routed);
   TV_RETURN_IF_ERROR(joined);

@@ -207,6 +207,13 @@ class CudaForward final : public ForwardBackend {
   // active_count (device): where the MoE grouping writes the layer's active experts, or null.
   absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count);
   absl::Status Route(const DeviceMoeWeights& moe, int64_t rows);
+  // The side branch (side_stream.h): forked from and joined to stream_, or stream_ itself.
+  absl::Status ForkSide();
+  absl::Status JoinSide();
+  cudaStream_t side_stream() const { return side_ != nullptr ? side_->stream() : stream_; }
+  kernels::cuda::GemmRunner& side_gemm() const {
+    return side_gemm_ != nullptr ? *side_gemm_ : *gemm_;
+  }
   absl::Status AllReduce(float* data, int64_t count);
   absl::Status CopyToHost(const float* data, int64_t count, std::vector<float>& host);
   absl::StatusOr<const kernels::cuda::MlaVerifyPlan*> MlaPlanFor(
@@ -220,7 +227,8 @@ class CudaForward final : public ForwardBackend {
   kernels::cuda::DeviceInfo device_;
   cudaStream_t stream_;
   std::unique_ptr<kernels::cuda::GemmRunner> gemm_;
-  // Independent chains of a layer's small kernels run beside the main stream's (side_stream.h).
+  // Independent chains of a layer's small kernels run beside the main stream's (side_stream.h);
+  // null (the chains on stream_) for ranks over NCCL.
   std::unique_ptr<SideStream> side_;
   std::unique_ptr<kernels::cuda::GemmRunner> side_gemm_;
   Activations activations_;
