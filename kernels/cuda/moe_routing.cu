@@ -1,9 +1,10 @@
 // MoE routing, one block per token. The scores are computed by all threads; the group top-k
-// runs on one thread with the CPU op's own TopK (top_k.h; a few groups); the expert top-k on one
-// warp, each lane keeping a sorted list of its experts' best in registers, the lanes' lists then
-// merged by a butterfly of bitonic merges (WarpTopK). A single thread walking 384 experts took 66
-// us a layer; top_k rounds of a block-wide arg-max, two barriers and a serial merge of the warps'
-// winners a round, 11.7 (bench/NOTES.md, step 97).
+// runs on one thread with the CPU op's own TopK (top_k.h; a few groups); the expert top-k as
+// sorting networks on 64-bit rank keys (choice, then id): each thread's experts into a list in
+// registers, the lists merged by bitonic merges across lanes and then across warps. A single
+// thread walking 384 experts took 66 us a layer; top_k rounds of a block-wide arg-max 11.7; one
+// warp inserting all 384 experts one compare-exchange after another 12.1 (bench/NOTES.md, step
+// 97): the time is the longest chain of dependent steps a warp waits on.
 #include <cfloat>
 #include <cstdint>
 
@@ -18,67 +19,56 @@ constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kRoutingThreads = 256;
 
-// (value, id): the larger value first, the lower id among equal values (the CPU's TopK picks the
-// same set); id -1 (no expert) after every expert.
-__device__ __forceinline__ bool Before(float value, int32_t id, float other_value,
-                                       int32_t other_id) {
-  return id >= 0 &&
-         (other_id < 0 || value > other_value || (value == other_value && id < other_id));
+// An expert's rank key: the order bits of its choice above, the complement of its id below, so
+// that a larger key is a larger choice or, among equal choices, the lower id (the CPU's TopK
+// order; -0 counts as +0, as the float comparison has them equal; NaN ranks below every number).
+// 0 is no expert, below every key.
+__device__ __forceinline__ uint64_t RankKey(float choice, int32_t id) {
+  uint32_t bits = __float_as_uint(choice + 0.0f);
+  bits = (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
+  if (isnan(choice)) bits = 0;
+  return (uint64_t{bits} << 32) | (0xffffffffu - static_cast<uint32_t>(id));
 }
 
-__device__ __forceinline__ void SwapIfBefore(float& value, int32_t& id, float& other_value,
-                                             int32_t& other_id) {
-  if (Before(value, id, other_value, other_id)) {
-    const float v = value;
-    const int32_t i = id;
-    value = other_value;
-    id = other_id;
-    other_value = v;
-    other_id = i;
-  }
+__device__ __forceinline__ int32_t IdOf(uint64_t key) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
 }
 
-// The best kK of choice[0, n) in order (kK a power of two), on every lane of the calling warp.
-// Each lane inserts its experts (lane, lane + 32, ...) into a sorted list in registers; then five
-// butterfly steps each keep the best kK of two lanes' lists: the pairwise better of one list and
-// the other reversed is bitonic, and a bitonic merge sorts it. The order is total (ids are
-// unique), so both lanes of a pair, and finally all 32, hold the same list.
+__device__ __forceinline__ uint64_t Larger(uint64_t a, uint64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint64_t Smaller(uint64_t a, uint64_t b) { return a > b ? b : a; }
+
+// Inserts `key` into a descending list, dropping its smallest: one compare-exchange per place,
+// selects without branches.
 template <int kK>
-__device__ void WarpTopK(const float* choice, int32_t n, float (&value)[kK], int32_t (&id)[kK]) {
-  static_assert(kK >= 2 && (kK & (kK - 1)) == 0);
-  const int lane = threadIdx.x % 32;
+__device__ __forceinline__ void Insert(uint64_t key, uint64_t (&list)[kK]) {
 #pragma unroll
   for (int j = 0; j < kK; ++j) {
-    value[j] = -INFINITY;
-    id[j] = -1;
+    const uint64_t larger = Larger(list[j], key);
+    key = Smaller(list[j], key);
+    list[j] = larger;
   }
-  for (int32_t e = lane; e < n; e += 32) {
-    float v = choice[e];
-    int32_t i = e;
+}
+
+// Keeps the best kK of this lane's and lane ^ offset's descending lists, descending, on both
+// lanes: the pairwise larger of one list and the other reversed is bitonic, and a bitonic merge
+// (log2 kK levels of independent compare-exchanges) sorts it. Keys are unique, so both lanes
+// end with the same list.
+template <int kK>
+__device__ __forceinline__ void MergeWithLane(uint64_t (&list)[kK], int offset) {
+  static_assert(kK >= 2 && (kK & (kK - 1)) == 0);
+  uint64_t other[kK];
 #pragma unroll
-    for (int j = 0; j < kK; ++j) SwapIfBefore(v, i, value[j], id[j]);
-  }
+  for (int j = 0; j < kK; ++j) other[j] = __shfl_xor_sync(0xffffffffu, list[j], offset);
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    float other_value[kK];
-    int32_t other_id[kK];
+  for (int j = 0; j < kK; ++j) list[j] = Larger(list[j], other[kK - 1 - j]);
+#pragma unroll
+  for (int stride = kK / 2; stride > 0; stride /= 2) {
 #pragma unroll
     for (int j = 0; j < kK; ++j) {
-      other_value[j] = __shfl_xor_sync(0xffffffffu, value[j], offset);
-      other_id[j] = __shfl_xor_sync(0xffffffffu, id[j], offset);
-    }
-#pragma unroll
-    for (int j = 0; j < kK; ++j) {
-      if (Before(other_value[kK - 1 - j], other_id[kK - 1 - j], value[j], id[j])) {
-        value[j] = other_value[kK - 1 - j];
-        id[j] = other_id[kK - 1 - j];
-      }
-    }
-#pragma unroll
-    for (int stride = kK / 2; stride > 0; stride /= 2) {
-#pragma unroll
-      for (int j = 0; j < kK; ++j) {
-        if ((j & stride) == 0) SwapIfBefore(value[j + stride], id[j + stride], value[j], id[j]);
+      if ((j & stride) == 0) {
+        const uint64_t larger = Larger(list[j], list[j + stride]);
+        list[j + stride] = Smaller(list[j], list[j + stride]);
+        list[j] = larger;
       }
     }
   }
@@ -183,34 +173,56 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
     __syncthreads();
   }
 
-  if (threadIdx.x >= 32) return;
-  float best_value[kK];
-  int32_t best_id[kK];
-  WarpTopK<kK>(choice, num_experts, best_value, best_id);
-  if (threadIdx.x != 0) return;
-  int32_t sorted[kK];
+  // The top kK: every thread's experts into its own list, the warp's lists merged by a
+  // butterfly, then the warps' lists by warp 0. The chain a warp waits on is short: a few
+  // insertions, then 5 + 3 merges of log2(kK) + 1 levels each.
+  constexpr int kWarps = kRoutingThreads / 32;
+  __shared__ uint64_t warp_lists[kWarps][kK];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  uint64_t list[kK];
 #pragma unroll
-  for (int32_t i = 0; i < kK; ++i) sorted[i] = best_id[i];
-  for (int32_t i = 1; i < p.top_k; ++i) {  // ascending ids
-    const int32_t id = sorted[i];
-    int32_t j = i;
-    for (; j > 0 && sorted[j - 1] > id; --j) sorted[j] = sorted[j - 1];
-    sorted[j] = id;
+  for (int j = 0; j < kK; ++j) list[j] = 0;
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x)
+    Insert(RankKey(choice[e], e), list);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) MergeWithLane(list, offset);
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kK; ++j) warp_lists[warp][j] = list[j];
   }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = lane < kWarps ? warp_lists[lane][j] : 0;
+#pragma unroll
+  for (int offset = kWarps / 2; offset > 0; offset /= 2) MergeWithLane(list, offset);
+
+  // Lane j < top_k holds the j-th best; its place in the output is its rank by id (ascending ids,
+  // as the CPU writes them), and the normalizing sum adds the weights in that order.
+  uint64_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) mine = j == lane ? list[j] : mine;
+  const bool holds = lane < p.top_k;
+  const int32_t id = IdOf(mine);
+  int32_t place = 0;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) place += (j < p.top_k && IdOf(list[j]) < id) ? 1 : 0;
   // noaux_tc weighs by the plain scores; the softmax routers by the (masked) scores they ranked.
   const float* weight_source = p.method == MoeTopkMethod::kNoauxTc ? scores : choice;
-  float weights[kK];
-  for (int32_t j = 0; j < p.top_k; ++j) weights[j] = weight_source[sorted[j]];
+  float weight = holds ? weight_source[id] : 0.0f;
   if (p.normalize) {
     double sum = 0.0;
-    for (int32_t j = 0; j < p.top_k; ++j) sum += weights[j];
-    const float denominator = __fadd_rn(static_cast<float>(sum), 1e-20f);
-    for (int32_t j = 0; j < p.top_k; ++j) weights[j] = __fdiv_rn(weights[j], denominator);
+    for (int32_t r = 0; r < p.top_k; ++r) {
+      const int source = __ffs(__ballot_sync(0xffffffffu, holds && place == r)) - 1;
+      sum += __shfl_sync(0xffffffffu, weight, source);
+    }
+    weight = __fdiv_rn(weight, __fadd_rn(static_cast<float>(sum), 1e-20f));
   }
-  const int64_t at = static_cast<int64_t>(blockIdx.x) * p.top_k;
-  for (int32_t j = 0; j < p.top_k; ++j) {
-    p.topk_ids[at + j] = sorted[j];
-    p.topk_weights[at + j] = __fmul_rn(weights[j], p.routed_scaling_factor);
+  if (holds) {
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * p.top_k + place;
+    p.topk_ids[at] = id;
+    p.topk_weights[at] = __fmul_rn(weight, p.routed_scaling_factor);
   }
 }
 
