@@ -197,6 +197,10 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   for (int j = 0; j < kK; ++j) list[j] = lane < kWarps ? warp_lists[lane][j] : 0;
 #pragma unroll
   for (int offset = kWarps / 2; offset > 0; offset /= 2) MergeWithLane(list, offset);
+    // Lanes 0 .. kWarps - 1 hold the merged list; every lane takes lane 0's (a top_k past kWarps
+    // reads entries from lanes that merged nothing).
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = __shfl_sync(0xffffffffu, list[j], 0);
 
   // Lane j < top_k holds the j-th best; its place in the output is its rank by id (ascending ids,
   // as the CPU writes them), and the normalizing sum adds the weights in that order.
