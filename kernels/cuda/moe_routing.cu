@@ -1,6 +1,10 @@
 // MoE routing, one block per token. The scores are computed by all threads; the group top-k
-// runs on one thread with the CPU op's own TopK (top_k.h; a few groups), the expert top-k as top_k
-// rounds of a block-wide arg-max (a single thread walking 384 experts took 66 us per layer).
+// runs on one thread with the CPU op's own TopK (top_k.h; a few groups); the expert top-k as
+// sorting networks on 64-bit rank keys (choice, then id): each thread's experts into a list in
+// registers, the lists merged by bitonic merges across lanes and then across warps. A single
+// thread walking 384 experts took 66 us a layer; top_k rounds of a block-wide arg-max 11.7; one
+// warp inserting all 384 experts one compare-exchange after another 12.1 (bench/NOTES.md, step
+// 97): the time is the longest chain of dependent steps a warp waits on.
 #include <cfloat>
 #include <cstdint>
 
@@ -14,6 +18,61 @@ namespace {
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kRoutingThreads = 256;
+
+// An expert's rank key: the order bits of its choice above, the complement of its id below, so
+// that a larger key is a larger choice or, among equal choices, the lower id (the CPU's TopK
+// order; -0 counts as +0, as the float comparison has them equal; NaN ranks below every number).
+// 0 is no expert, below every key.
+__device__ __forceinline__ uint64_t RankKey(float choice, int32_t id) {
+  uint32_t bits = __float_as_uint(choice + 0.0f);
+  bits = (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
+  if (isnan(choice)) bits = 0;
+  return (uint64_t{bits} << 32) | (0xffffffffu - static_cast<uint32_t>(id));
+}
+
+__device__ __forceinline__ int32_t IdOf(uint64_t key) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
+__device__ __forceinline__ uint64_t Larger(uint64_t a, uint64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint64_t Smaller(uint64_t a, uint64_t b) { return a > b ? b : a; }
+
+// Inserts `key` into a descending list, dropping its smallest: one compare-exchange per place,
+// selects without branches.
+template <int kK>
+__device__ __forceinline__ void Insert(uint64_t key, uint64_t (&list)[kK]) {
+#pragma unroll
+  for (int j = 0; j < kK; ++j) {
+    const uint64_t larger = Larger(list[j], key);
+    key = Smaller(list[j], key);
+    list[j] = larger;
+  }
+}
+
+// Keeps the best kK of this lane's and lane ^ offset's descending lists, descending, on both
+// lanes: the pairwise larger of one list and the other reversed is bitonic, and a bitonic merge
+// (log2 kK levels of independent compare-exchanges) sorts it. Keys are unique, so both lanes
+// end with the same list.
+template <int kK>
+__device__ __forceinline__ void MergeWithLane(uint64_t (&list)[kK], int offset) {
+  static_assert(kK >= 2 && (kK & (kK - 1)) == 0);
+  uint64_t other[kK];
+#pragma unroll
+  for (int j = 0; j < kK; ++j) other[j] = __shfl_xor_sync(0xffffffffu, list[j], offset);
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = Larger(list[j], other[kK - 1 - j]);
+#pragma unroll
+  for (int stride = kK / 2; stride > 0; stride /= 2) {
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+      if ((j & stride) == 0) {
+        const uint64_t larger = Larger(list[j], list[j + stride]);
+        list[j + stride] = Smaller(list[j], list[j + stride]);
+        list[j] = larger;
+      }
+    }
+  }
+}
 
 // Block-wide reductions in double over one value per thread, fixed order.
 __device__ double BlockMax(double value, double* scratch) {
@@ -40,6 +99,7 @@ __device__ double BlockSum(double value, double* scratch) {
   return result;
 }
 
+template <int kK>  // a power of two >= top_k
 __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingParams p) {
   __shared__ float scores[kMaxExperts];
   __shared__ float choice[kMaxExperts];
@@ -56,9 +116,14 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   const int32_t num_experts = p.num_experts;
   const float* logits = p.router_logits + static_cast<int64_t>(blockIdx.x) * num_experts;
 
+  const bool biased = p.method == MoeTopkMethod::kNoauxTc;
   if (p.scoring == MoeScoring::kSigmoid) {
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      scores[e] = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logits[e]))));
+      const float logit = logits[e];
+      const float bias = biased ? p.correction_bias[e] : 0.0f;  // loaded beside the logit
+      const float score = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logit))));
+      scores[e] = score;
+      choice[e] = biased ? __fadd_rn(score, bias) : score;
     }
   } else {
     double max_logit = -DBL_MAX;
@@ -72,12 +137,10 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
     }
     sum = BlockSum(sum, scratch);
     for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      scores[e] = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
+      const float score = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
+      scores[e] = score;
+      choice[e] = biased ? __fadd_rn(score, p.correction_bias[e]) : score;
     }
-  }
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    choice[e] = p.method == MoeTopkMethod::kNoauxTc ? __fadd_rn(scores[e], p.correction_bias[e])
-                                                    : scores[e];
   }
   __syncthreads();
 
@@ -110,75 +173,60 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
     __syncthreads();
   }
 
-  // top_k rounds of a block-wide arg-max over the experts not yet taken: the largest choice,
-  // the lower id among equals (the CPU's TopK picks the same set).
-  __shared__ int32_t ids[kMaxTopK];
-  __shared__ bool taken[kMaxExperts];
-  __shared__ float warp_best[kRoutingThreads / 32];
-  __shared__ int32_t warp_best_id[kRoutingThreads / 32];
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) taken[e] = false;
+  // The top kK: every thread's experts into its own list, the warp's lists merged by a
+  // butterfly, then the warps' lists by warp 0. The chain a warp waits on is short: a few
+  // insertions, then 5 + 3 merges of log2(kK) + 1 levels each.
+  constexpr int kWarps = kRoutingThreads / 32;
+  __shared__ uint64_t warp_lists[kWarps][kK];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  uint64_t list[kK];
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = 0;
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x)
+    Insert(RankKey(choice[e], e), list);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) MergeWithLane(list, offset);
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < kK; ++j) warp_lists[warp][j] = list[j];
+  }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int32_t round = 0; round < p.top_k; ++round) {
-    float best = -INFINITY;
-    int32_t best_id = INT32_MAX;
-    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      if (!taken[e] && (choice[e] > best || best_id == INT32_MAX)) {
-        best = choice[e];
-        best_id = e;
-      }
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int32_t other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
-      if (other_id != INT32_MAX &&
-          (best_id == INT32_MAX || other > best || (other == best && other_id < best_id))) {
-        best = other;
-        best_id = other_id;
-      }
-    }
-    if (lane == 0) {
-      warp_best[warp] = best;
-      warp_best_id[warp] = best_id;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < kRoutingThreads / 32; ++w) {
-        const int32_t id = warp_best_id[w];
-        if (id != INT32_MAX && (best_id == INT32_MAX || warp_best[w] > best ||
-                                (warp_best[w] == best && id < best_id))) {
-          best = warp_best[w];
-          best_id = id;
-        }
-      }
-      ids[round] = best_id;
-      taken[best_id] = true;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x != 0) return;
-  int32_t sorted[kMaxTopK];
-  for (int32_t i = 0; i < p.top_k; ++i) sorted[i] = ids[i];
-  for (int32_t i = 1; i < p.top_k; ++i) {  // ascending ids
-    const int32_t id = sorted[i];
-    int32_t j = i;
-    for (; j > 0 && sorted[j - 1] > id; --j) sorted[j] = sorted[j - 1];
-    sorted[j] = id;
-  }
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = lane < kWarps ? warp_lists[lane][j] : 0;
+#pragma unroll
+  for (int offset = kWarps / 2; offset > 0; offset /= 2) MergeWithLane(list, offset);
+    // Lanes 0 .. kWarps - 1 hold the merged list; every lane takes lane 0's (a top_k past kWarps
+    // reads entries from lanes that merged nothing).
+#pragma unroll
+  for (int j = 0; j < kK; ++j) list[j] = __shfl_sync(0xffffffffu, list[j], 0);
+
+  // Lane j < top_k holds the j-th best; its place in the output is its rank by id (ascending ids,
+  // as the CPU writes them), and the normalizing sum adds the weights in that order.
+  uint64_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) mine = j == lane ? list[j] : mine;
+  const bool holds = lane < p.top_k;
+  const int32_t id = IdOf(mine);
+  int32_t place = 0;
+#pragma unroll
+  for (int j = 0; j < kK; ++j) place += (j < p.top_k && IdOf(list[j]) < id) ? 1 : 0;
   // noaux_tc weighs by the plain scores; the softmax routers by the (masked) scores they ranked.
   const float* weight_source = p.method == MoeTopkMethod::kNoauxTc ? scores : choice;
-  float weights[kMaxTopK];
-  for (int32_t j = 0; j < p.top_k; ++j) weights[j] = weight_source[sorted[j]];
+  float weight = holds ? weight_source[id] : 0.0f;
   if (p.normalize) {
     double sum = 0.0;
-    for (int32_t j = 0; j < p.top_k; ++j) sum += weights[j];
-    const float denominator = __fadd_rn(static_cast<float>(sum), 1e-20f);
-    for (int32_t j = 0; j < p.top_k; ++j) weights[j] = __fdiv_rn(weights[j], denominator);
+    for (int32_t r = 0; r < p.top_k; ++r) {
+      const int source = __ffs(__ballot_sync(0xffffffffu, holds && place == r)) - 1;
+      sum += __shfl_sync(0xffffffffu, weight, source);
+    }
+    weight = __fdiv_rn(weight, __fadd_rn(static_cast<float>(sum), 1e-20f));
   }
-  const int64_t at = static_cast<int64_t>(blockIdx.x) * p.top_k;
-  for (int32_t j = 0; j < p.top_k; ++j) {
-    p.topk_ids[at + j] = sorted[j];
-    p.topk_weights[at + j] = __fmul_rn(weights[j], p.routed_scaling_factor);
+  if (holds) {
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * p.top_k + place;
+    p.topk_ids[at] = id;
+    p.topk_weights[at] = __fmul_rn(weight, p.routed_scaling_factor);
   }
 }
 
@@ -205,7 +253,14 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  MoeRoutingKernel<<<static_cast<unsigned>(p.tokens), kRoutingThreads, 0, stream>>>(p);
+  const unsigned blocks = static_cast<unsigned>(p.tokens);
+  if (p.top_k <= 8) {
+    MoeRoutingKernel<8><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  } else if (p.top_k <= 16) {
+    MoeRoutingKernel<16><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  } else {
+    MoeRoutingKernel<32><<<blocks, kRoutingThreads, 0, stream>>>(p);
+  }
   return CudaStatus(cudaGetLastError(), "MoeRoutingKernel launch");
 }
 

@@ -436,6 +436,9 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
            RoutingCase{MoeScoring::kSoftmax, MoeTopkMethod::kGreedy, 64, 6, 1, 1, false},
            RoutingCase{MoeScoring::kSoftmax, MoeTopkMethod::kGroupLimitedGreedy, 160, 6, 8, 3,
                        false},
+           // Past 8 experts a token, the warp's lists are 16 and 32 long.
+           RoutingCase{MoeScoring::kSoftmax, MoeTopkMethod::kGreedy, 64, 12, 1, 1, true},
+           RoutingCase{MoeScoring::kSigmoid, MoeTopkMethod::kNoauxTc, 1024, 32, 8, 4, true},
        }) {
     SCOPED_TRACE(testing::Message() << c.experts << " experts, top " << c.top_k);
     std::vector<float> logits = Random(rng, tokens * c.experts, 2.0f);
