@@ -4,6 +4,8 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "grid_dependency.cuh"
+#include "programmatic_launch.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/top_k.h"
@@ -46,6 +48,10 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   __shared__ float group_scores[kMaxExperts];
   __shared__ bool group_kept[kMaxExperts];
   __shared__ double scratch[kRoutingThreads / 32];
+  // A programmatic dependent of the router's product (programmatic_launch.h): its launch hides
+  // behind the predecessor's tail.
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   if (p.routed_tokens != nullptr && static_cast<int32_t>(blockIdx.x) >= *p.routed_tokens) {
     for (int32_t j = threadIdx.x; j < p.top_k; j += blockDim.x) {
       p.topk_ids[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = -1;
@@ -205,8 +211,12 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  MoeRoutingKernel<<<static_cast<unsigned>(p.tokens), kRoutingThreads, 0, stream>>>(p);
-  return CudaStatus(cudaGetLastError(), "MoeRoutingKernel launch");
+  int device = 0, compute_major = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&compute_major, cudaDevAttrComputeCapabilityMajor, device));
+  return LaunchKernel(MoeRoutingKernel, dim3(static_cast<unsigned>(p.tokens)),
+                      dim3(kRoutingThreads), 0, stream, compute_major >= 9, "MoeRoutingKernel", p);
 }
 
 }  // namespace treeverify::kernels::cuda
