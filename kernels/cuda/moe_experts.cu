@@ -135,21 +135,22 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
       &resident, ExpertTmaKernel<true>, moe::kTmaThreads, smem));
   const int64_t blocks =
       std::max(1, std::min(resident, plan.blocks_per_multiprocessor)) * int64_t{multiprocessors};
-  // Each a programmatic dependent of the one before (sm_90 here): launch and set-up overlap.
-  constexpr bool kOverlap = true;
+  // Each a programmatic dependent of the one before (programmatic_launch.h): launch and set-up
+  // overlap.
+  const bool overlap = WaitsForPredecessor(ExpertTmaKernel<true>);
   TV_RETURN_IF_ERROR(
       LaunchKernel(ExpertTmaKernel<true>, dim3(static_cast<unsigned>(std::min(blocks, up_items))),
-                   dim3(moe::kTmaThreads), smem, stream, kOverlap, "MoeExperts gate/up stream",
+                   dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts gate/up stream",
                    gate_map, up_map, p, w, parts, plan.stages));
   if (parts > 1) {
     const int64_t values = p.tokens * p.top_k * p.intermediate;
     TV_RETURN_IF_ERROR(LaunchKernel(moe::FinishGateUp,
                                     dim3(static_cast<unsigned>((values + 255) / 256)), dim3(256), 0,
-                                    stream, kOverlap, "MoeExperts FinishGateUp", p, w, parts));
+                                    stream, overlap, "MoeExperts FinishGateUp", p, w, parts));
   }
   TV_RETURN_IF_ERROR(LaunchKernel(
       ExpertTmaKernel<false>, dim3(static_cast<unsigned>(std::min(blocks, down_items))),
-      dim3(moe::kTmaThreads), smem, stream, kOverlap, "MoeExperts down stream", down_map, down_map,
+      dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts down stream", down_map, down_map,
       p, w, down_parts, plan.stages));
   return down_parts;
 }
@@ -205,9 +206,6 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   // Enough blocks to cover the machine several times; the items they loop over depend on the
   // routing, read on the device.
   const int max_blocks = multiprocessors * 8;
-  // The grouping and the combine as programmatic dependents (programmatic_launch.h), where the
-  // device has them.
-  const bool overlap = compute_major >= 9;
 
   const int64_t entries = p.tokens * p.top_k;
   if (entries <= moe::kStagedEntries) {
@@ -220,8 +218,9 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
           GroupKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
     TV_RETURN_IF_ERROR(LaunchKernel(GroupKernel, dim3(1), dim3(kGroupThreads), smem, stream,
-                                    overlap, "MoeExperts grouping", p.topk_ids, p.tokens, p.top_k,
-                                    p.first_expert, p.num_local_experts, w, active_count));
+                                    WaitsForPredecessor(GroupKernel), "MoeExperts grouping",
+                                    p.topk_ids, p.tokens, p.top_k, p.first_expert,
+                                    p.num_local_experts, w, active_count));
   } else {
     const int64_t chunks = moe::GroupChunks(entries);
     const size_t histogram_bytes = p.num_local_experts * sizeof(int32_t);
@@ -292,8 +291,8 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const dim3 combine_grid(static_cast<unsigned>((p.hidden + 255) / 256),
                           static_cast<unsigned>(p.tokens));
-  return LaunchKernel(CombineKernel, combine_grid, dim3(256), 0, stream, overlap,
-                      "MoeExperts combine", p, w, down_parts);
+  return LaunchKernel(CombineKernel, combine_grid, dim3(256), 0, stream,
+                      WaitsForPredecessor(CombineKernel), "MoeExperts combine", p, w, down_parts);
 }
 
 }  // namespace treeverify::kernels::cuda

@@ -211,12 +211,9 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  int device = 0, compute_major = 0;
-  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  TV_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&compute_major, cudaDevAttrComputeCapabilityMajor, device));
   return LaunchKernel(MoeRoutingKernel, dim3(static_cast<unsigned>(p.tokens)),
-                      dim3(kRoutingThreads), 0, stream, compute_major >= 9, "MoeRoutingKernel", p);
+                      dim3(kRoutingThreads), 0, stream, WaitsForPredecessor(MoeRoutingKernel),
+                      "MoeRoutingKernel", p);
 }
 
 }  // namespace treeverify::kernels::cuda

@@ -17,6 +17,16 @@
 
 namespace treeverify::kernels::cuda {
 
+// Whether `kernel`'s loaded image was compiled for sm_90 or later (its PTX version), so that its
+// WaitForPredecessorGrid is compiled in: a build for older GPUs, JIT-compiled on an sm_90 device,
+// has the calls compiled out and must not be launched as a dependent.
+template <typename... Params>
+bool WaitsForPredecessor(void (*kernel)(Params...)) {
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)) == cudaSuccess &&
+         attributes.ptxVersion >= 90;
+}
+
 template <typename... Params, typename... Args>
 absl::Status LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, int64_t smem,
                           cudaStream_t stream, bool overlap, const char* what, Args&&... args) {
