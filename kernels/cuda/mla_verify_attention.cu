@@ -13,6 +13,7 @@
 #include "mla_verify_rows64_kernel.cuh"
 #include "mla_verify_simt_kernel.cuh"
 #include "mla_verify_wgmma_kernel.cuh"
+#include "programmatic_launch.h"
 #include "tensor_map.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
@@ -256,17 +257,8 @@ absl::StatusOr<bool> ChooseMergeInGrid(const MlaVerifyPlan& plan, const MlaVerif
 template <typename... Params, typename... Args>
 absl::Status Launch(void (*kernel)(Params...), dim3 grid, int threads, int64_t smem,
                     cudaStream_t stream, bool overlap, const char* what, Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = overlap ? 1 : 0;
-  return CudaStatus(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), what);
+  return LaunchKernel(kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, overlap,
+                      what, std::forward<Args>(args)...);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "element_convert.cuh"
+#include "grid_dependency.cuh"
 #include "mma_sync_primitives.cuh"
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
@@ -184,6 +185,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     sm90::FenceBarrierInit();
   }
   __syncthreads();
+  // The barriers above were set up while the predecessor (the grouping, or the gate/up
+  // reduction) finished; everything below reads its outputs or follows them.
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
 
   if (warp == kTmaConsumerWarps) {
     // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
@@ -328,6 +333,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 // activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
 // (grouped pair, row); pairs past the step's count return.
 __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t pair = index / p.intermediate, row = index % p.intermediate;
   if (pair >= w.offsets[p.num_local_experts]) return;

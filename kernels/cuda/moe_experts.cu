@@ -16,6 +16,7 @@
 #include "moe_expert_tma_kernel.cuh"
 #include "moe_grouping.cuh"
 #include "moe_workspace.cuh"
+#include "programmatic_launch.h"
 #include "tensor_map.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
@@ -44,6 +45,8 @@ constexpr int64_t kGemmMinTokens = 512;
 // added in part order); then + shared. Block (token, 256 hidden dims): every thread's top_k loads
 // are independent.
 __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t down_parts) {
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   const int64_t token = blockIdx.y;
   const int64_t h = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (h >= p.hidden) return;
@@ -132,19 +135,23 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
       &resident, ExpertTmaKernel<true>, moe::kTmaThreads, smem));
   const int64_t blocks =
       std::max(1, std::min(resident, plan.blocks_per_multiprocessor)) * int64_t{multiprocessors};
-  ExpertTmaKernel<true>
-      <<<static_cast<unsigned>(std::min(blocks, up_items)), moe::kTmaThreads, smem, stream>>>(
-          gate_map, up_map, p, w, parts, plan.stages);
-  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // Each a programmatic dependent of the one before (programmatic_launch.h): launch and set-up
+  // overlap.
+  const bool overlap = WaitsForPredecessor(ExpertTmaKernel<true>);
+  TV_RETURN_IF_ERROR(
+      LaunchKernel(ExpertTmaKernel<true>, dim3(static_cast<unsigned>(std::min(blocks, up_items))),
+                   dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts gate/up stream",
+                   gate_map, up_map, p, w, parts, plan.stages));
   if (parts > 1) {
     const int64_t values = p.tokens * p.top_k * p.intermediate;
-    moe::FinishGateUp<<<static_cast<unsigned>((values + 255) / 256), 256, 0, stream>>>(p, w, parts);
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    TV_RETURN_IF_ERROR(LaunchKernel(moe::FinishGateUp,
+                                    dim3(static_cast<unsigned>((values + 255) / 256)), dim3(256), 0,
+                                    stream, overlap, "MoeExperts FinishGateUp", p, w, parts));
   }
-  ExpertTmaKernel<false>
-      <<<static_cast<unsigned>(std::min(blocks, down_items)), moe::kTmaThreads, smem, stream>>>(
-          down_map, down_map, p, w, down_parts, plan.stages);
-  TV_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "MoeExperts weight streams"));
+  TV_RETURN_IF_ERROR(LaunchKernel(
+      ExpertTmaKernel<false>, dim3(static_cast<unsigned>(std::min(blocks, down_items))),
+      dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts down stream", down_map, down_map,
+      p, w, down_parts, plan.stages));
   return down_parts;
 }
 
@@ -210,9 +217,10 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
       TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           GroupKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    GroupKernel<<<1, kGroupThreads, static_cast<size_t>(smem), stream>>>(
-        p.topk_ids, p.tokens, p.top_k, p.first_expert, p.num_local_experts, w, active_count);
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    TV_RETURN_IF_ERROR(LaunchKernel(GroupKernel, dim3(1), dim3(kGroupThreads), smem, stream,
+                                    WaitsForPredecessor(GroupKernel), "MoeExperts grouping",
+                                    p.topk_ids, p.tokens, p.top_k, p.first_expert,
+                                    p.num_local_experts, w, active_count));
   } else {
     const int64_t chunks = moe::GroupChunks(entries);
     const size_t histogram_bytes = p.num_local_experts * sizeof(int32_t);
@@ -283,8 +291,8 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const dim3 combine_grid(static_cast<unsigned>((p.hidden + 255) / 256),
                           static_cast<unsigned>(p.tokens));
-  CombineKernel<<<combine_grid, 256, 0, stream>>>(p, w, down_parts);
-  return CudaStatus(cudaGetLastError(), "MoeExperts launches");
+  return LaunchKernel(CombineKernel, combine_grid, dim3(256), 0, stream,
+                      WaitsForPredecessor(CombineKernel), "MoeExperts combine", p, w, down_parts);
 }
 
 }  // namespace treeverify::kernels::cuda

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "grid_dependency.cuh"
 #include "moe_workspace.cuh"
 
 namespace treeverify::kernels::cuda::moe {
@@ -104,6 +105,9 @@ __global__ void __launch_bounds__(kGroupThreads)
     GroupKernel(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
                 int32_t first_expert, int32_t num_local, Workspace w, int32_t* active_count) {
   extern __shared__ int32_t staged[];  // [entries + 4] local expert ids, -1 for other ranks'
+  // A programmatic dependent of the routing, and the expert streams of it (programmatic_launch.h).
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   const int32_t n = static_cast<int32_t>(tokens * top_k);
   int32_t* next = staged + n + 4;  // [num_local] counts, then each expert's next position
   for (int32_t e = threadIdx.x; e < num_local; e += kGroupThreads) next[e] = 0;

@@ -8,6 +8,8 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "grid_dependency.cuh"
+#include "programmatic_launch.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/top_k.h"
@@ -106,6 +108,10 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   __shared__ float group_scores[kMaxExperts];
   __shared__ bool group_kept[kMaxExperts];
   __shared__ double scratch[kRoutingThreads / 32];
+  // A programmatic dependent of the router's product (programmatic_launch.h): its launch hides
+  // behind the predecessor's tail.
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   if (p.routed_tokens != nullptr && static_cast<int32_t>(blockIdx.x) >= *p.routed_tokens) {
     for (int32_t j = threadIdx.x; j < p.top_k; j += blockDim.x) {
       p.topk_ids[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = -1;
@@ -253,15 +259,13 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  const unsigned blocks = static_cast<unsigned>(p.tokens);
-  if (p.top_k <= 8) {
-    MoeRoutingKernel<8><<<blocks, kRoutingThreads, 0, stream>>>(p);
-  } else if (p.top_k <= 16) {
-    MoeRoutingKernel<16><<<blocks, kRoutingThreads, 0, stream>>>(p);
-  } else {
-    MoeRoutingKernel<32><<<blocks, kRoutingThreads, 0, stream>>>(p);
-  }
-  return CudaStatus(cudaGetLastError(), "MoeRoutingKernel launch");
+  const auto launch = [&](auto kernel) {
+    return LaunchKernel(kernel, dim3(static_cast<unsigned>(p.tokens)), dim3(kRoutingThreads), 0,
+                        stream, WaitsForPredecessor(kernel), "MoeRoutingKernel", p);
+  };
+  if (p.top_k <= 8) return launch(MoeRoutingKernel<8>);
+  if (p.top_k <= 16) return launch(MoeRoutingKernel<16>);
+  return launch(MoeRoutingKernel<32>);
 }
 
 }  // namespace treeverify::kernels::cuda
