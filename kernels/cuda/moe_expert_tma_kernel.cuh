@@ -16,9 +16,8 @@
 // up (rows 8-15), so a thread holds gate and up of one row and token: silu(gate) * up in
 // registers.
 //
-// Work items: (active expert, row tile, block part) in that order, each block taking a contiguous
-// range of them (consecutive items mostly share an expert: its pairs are read once, and down's
-// rows stream in address order). Block parts (ReductionParts) split a long reduction across
+// Work items: (active expert, row tile, block part) in that order, claimed one at a time by the
+// blocks (ExpertWalk). Block parts (ReductionParts) split a long reduction across
 // blocks, each writing its sums (gate/up: to w.gate_up_parts for FinishGateUp; down: to its part
 // of w.expert_out for the combine), so that few active experts still fill the machine. An expert
 // with more than 32 pairs streams its tile once per group of 32.
@@ -61,11 +60,18 @@ static_assert(kTmaCols == kStageColumns);
 struct StageTicket {
   int32_t row0;         // the item's first row (of gate/up's intermediate or down's hidden)
   int32_t group_begin;  // the group's first grouped pair
-  int32_t count;        // the group's tokens, 1..kTmaTokens; 0 past the block's last stage
-  int32_t flags;        // kTicketFirst | kTicketLast | part << 8
+  int32_t k0;           // the stage's first reduction column
+  int32_t bits;         // the group's tokens (0 past the block's last stage) | kFirst | kLast |
+                        // part << 16
+
+  __device__ int32_t Count() const { return bits & 0xff; }
+  __device__ bool First() const { return (bits & kFirst) != 0; }
+  __device__ bool Last() const { return (bits & kLast) != 0; }
+  __device__ int32_t Part() const { return bits >> 16; }
+  static constexpr int32_t kFirst = 0x100;  // the first stage of an item's group: sums from zero
+  static constexpr int32_t kLast = 0x200;   // its last: the sums are stored
 };
-inline constexpr int32_t kTicketFirst = 1;  // the first stage of an item's group: sums from zero
-inline constexpr int32_t kTicketLast = 2;   // its last: the sums are stored
+static_assert(kTmaTokens <= 0xff);
 
 // Dynamic shared memory for `stages` slots: the slots (1024-aligned), then the mbarriers and the
 // tickets; 1024 bytes of slack for the alignment.
@@ -74,10 +80,15 @@ __host__ __device__ constexpr int TmaSmemBytes(int stages) {
 }
 
 // The walk over a block's stages: its items, their token groups, and the 64-column stages of
-// each group's reduction range. Only the producer warp walks. Coordinates advance by counting
-// (a division per item would cost more than the rest of a down item's bookkeeping).
+// each group's reduction range. Only the producer warp walks (all its lanes, in step). Blocks
+// claim items one at a time from a counter the grouping zeroed (`claims`), so a block that
+// streams faster takes more of them and the stream ends within about one item on every block
+// (with a fixed share of 3 or 4 items each, the first blocks were done 29 of gate/up's 64 us
+// before the last; the 64-node step took 27 % less with claims: bench/NOTES.md, step 101). Each
+// item's sums are one block's, in stage order, whichever block that is: the bytes do not depend
+// on the scheduling.
 struct ExpertWalk {
-  int32_t rows_total, length, chunks, per_part, tiles, parts, rows_per_tile, items_left;
+  int32_t rows_total, length, chunks, per_part, tiles, parts, rows_per_tile, items;
   // The current stage: item (active expert, row tile, block part), group and the reduction
   // columns [k0, k0 + kTmaCols) of [k_begin, k_end).
   int32_t active = -1, expert = 0, tile = 0, part = 0;
@@ -90,25 +101,18 @@ struct ExpertWalk {
   }
 
   __device__ ExpertWalk(const MoeExpertsParamsOf<Bf16, Bf16>& p, const Workspace& w,
-                        int32_t block_parts, bool is_gate_up)
+                        int32_t block_parts, bool is_gate_up, int32_t* claims)
       : rows_total(static_cast<int32_t>(is_gate_up ? p.intermediate : p.hidden)),
         length(static_cast<int32_t>(is_gate_up ? p.hidden : p.intermediate)),
         chunks((length + kTmaCols - 1) / kTmaCols),
         per_part((chunks + block_parts - 1) / block_parts),
         tiles((rows_total + RowsPerTile(is_gate_up) - 1) / RowsPerTile(is_gate_up)),
         parts(block_parts),
-        rows_per_tile(RowsPerTile(is_gate_up)) {
-    // Fewer than 2^31 items (MoeExperts checks the most there can be).
-    const int64_t items_per_expert = int64_t{tiles} * parts;
-    const int64_t items = int64_t{*w.num_active} * items_per_expert;
-    const int64_t first = items * blockIdx.x / gridDim.x;
-    items_left = static_cast<int32_t>(items * (blockIdx.x + 1) / gridDim.x - first);
-    // One item before the first, so that Next's count lands on it.
-    const int64_t before = first - 1;
-    counted_active_ = before < 0 ? -1 : static_cast<int32_t>(before / items_per_expert);
-    tile = before < 0 ? tiles - 1 : static_cast<int32_t>(before % items_per_expert / parts);
-    part = before < 0 ? parts - 1 : static_cast<int32_t>(before % parts);
-  }
+        rows_per_tile(RowsPerTile(is_gate_up)),
+        // Fewer than 2^30 items (MoeExperts checks the most there can be).
+        items(*w.num_active * tiles * block_parts),
+        claims_(claims),
+        claimed_(static_cast<int32_t>(blockIdx.x)) {}
 
   __device__ bool FirstOfGroup() const { return k0 == k_begin; }
   __device__ bool LastOfGroup() const { return k0 + kTmaCols >= k_end; }
@@ -126,22 +130,23 @@ struct ExpertWalk {
       k0 = k_begin;
       return true;
     }
-    // The next item; an item of an empty part range (more parts than chunks) has no stages.
+    // The next item: the one claimed ahead, while the one after is claimed; an item of an empty
+    // part range (more parts than chunks) has no stages. Claims stay below 2^31: fewer than 2^30
+    // items (MoeExperts checks, and the grid is no larger), each block claims once past the last.
     do {
-      if (items_left-- <= 0) {
+      const int32_t item = __shfl_sync(0xffffffffu, claimed_, 0);
+      if (item >= items) {
         done_ = true;  // k_end may hold a skipped item's: the branches above must not see it
         return false;
       }
-      if (++part == parts) {
-        part = 0;
-        if (++tile == tiles) {
-          tile = 0;
-          ++counted_active_;
-        }
-      }
-      if (!started_ || active != counted_active_) {
+      Claim();
+      const int32_t per_expert = tiles * parts;
+      const int32_t item_active = item / per_expert;
+      tile = item % per_expert / parts;
+      part = item % parts;
+      if (!started_ || active != item_active) {
         started_ = true;
-        active = counted_active_;
+        active = item_active;
         expert = w.active[active];
         pairs_begin = w.offsets[expert];
         pairs_end = w.offsets[expert + 1];
@@ -157,7 +162,15 @@ struct ExpertWalk {
   }
 
  private:
-  int32_t counted_active_ = 0;  // the count's active expert (`active` once loaded)
+  // Lane 0 claims the next item; the value is read (and waited for) only when it is needed. Block
+  // b's first item is item b, so that no block waits for a claim before its first box; the
+  // counter hands out the rest.
+  __device__ void Claim() {
+    if (threadIdx.x % 32 == 0) claimed_ = atomicAdd(claims_, 1) + static_cast<int32_t>(gridDim.x);
+  }
+
+  int32_t* claims_;
+  int32_t claimed_;  // lane 0's claim (every lane's, for the first item), not yet walked
   bool started_ = false;
   bool done_ = false;
 };
@@ -186,64 +199,87 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   }
   __syncthreads();
   // The barriers above were set up while the predecessor (the grouping, or the gate/up
-  // reduction) finished; everything below reads its outputs or follows them.
-  WaitForPredecessorGrid();
+  // reduction) finished; everything below reads its outputs or follows them, except down's first
+  // weight boxes: the weights do not depend on the step, and the walk reads only the grouping's
+  // lists, complete before down could launch (each kernel of the chain waits before it allows its
+  // dependent, and FinishGateUp comes between: programmatic_launch.h). So down's producer issues
+  // its first slots' boxes before it waits; they stream during the gate/up stream's tail and
+  // FinishGateUp, where down's blocks become resident as gate/up's leave.
+  constexpr bool kIssueBeforeWait = !kGateUp;
+  const bool producer = warp == kTmaConsumerWarps;
+  if (!(kIssueBeforeWait && producer)) WaitForPredecessorGrid();
   AllowDependentGridLaunch();
 
-  if (warp == kTmaConsumerWarps) {
+  if (producer) {
     // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
     if (lane == 0) {
       sm90::PrefetchTensorMap(&first_map);
       if constexpr (kGateUp) sm90::PrefetchTensorMap(&up_map);
     }
+    // A stage's ticket and weight boxes, once its slot is free (lane 0; the full barrier then
+    // waits for the token rows' 32 arrivals).
+    auto issue_weights = [&](int32_t stage, bool more, const ExpertWalk& at) {
+      const int32_t slot = stage % stages;
+      sm90::MbarrierWait(&empty[slot], ((stage / stages) & 1) ^ 1);
+      if (lane != 0) return;
+      const int32_t count = more ? at.group_end - at.group_begin : 0;
+      const int32_t bits = count | (at.FirstOfGroup() ? StageTicket::kFirst : 0) |
+                           (at.LastOfGroup() ? StageTicket::kLast : 0) | at.part << 16;
+      tickets[slot] = StageTicket{at.row0, at.group_begin, at.k0, bits};
+      sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
+      if (more) {
+        uint8_t* weights = slots + slot * kTmaStageBytes;
+        const int32_t y = at.expert * at.rows_total + at.row0;
+        sm90::TmaLoad2d(weights, &first_map, at.k0, y, &full[slot]);
+        if constexpr (kGateUp) {
+          sm90::TmaLoad2d(weights + kTmaWeightBytes / 2, &up_map, at.k0, y, &full[slot]);
+        }
+      }
+    };
+    // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier.
     constexpr int kTokenTurns = kTmaTokens * 8 / 32;
     const Bf16* token_rows[kTokenTurns] = {};
     int32_t token_group = -1;
-    ExpertWalk walk(p, w, block_parts, kGateUp);
-    for (int32_t stage = 0;; ++stage) {
-      const bool more = walk.Next(w);
+    auto issue_tokens = [&](int32_t stage, int32_t length) {
       const int32_t slot = stage % stages;
-      sm90::MbarrierWait(&empty[slot], ((stage / stages) & 1) ^ 1);
-      uint8_t* weights = slots + slot * kTmaStageBytes;
-      if (lane == 0) {
-        const int32_t count = more ? walk.group_end - walk.group_begin : 0;
-        const int32_t flags = (walk.FirstOfGroup() ? kTicketFirst : 0) |
-                              (walk.LastOfGroup() ? kTicketLast : 0) | walk.part << 8;
-        tickets[slot] = StageTicket{walk.row0, walk.group_begin, count, flags};
-        sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
-        if (more) {
-          const int32_t y = walk.expert * walk.rows_total + walk.row0;
-          if constexpr (kGateUp) {
-            sm90::TmaLoad2d(weights, &first_map, walk.k0, y, &full[slot]);
-            sm90::TmaLoad2d(weights + kTmaWeightBytes / 2, &up_map, walk.k0, y, &full[slot]);
-          } else {
-            sm90::TmaLoad2d(weights, &first_map, walk.k0, y, &full[slot]);
-          }
-        }
-      }
-      if (more) {
-        if (walk.group_begin != token_group) {
-          token_group = walk.group_begin;
+      const StageTicket ticket = tickets[slot];
+      if (ticket.Count() > 0) {
+        if (ticket.group_begin != token_group) {
+          token_group = ticket.group_begin;
 #pragma unroll
           for (int turn = 0; turn < kTokenTurns; ++turn) {
-            const int32_t pair = walk.group_begin + lane / 8 + 4 * turn;
+            const int32_t token = lane / 8 + 4 * turn, pair = ticket.group_begin + token;
             token_rows[turn] = nullptr;  // rows past the group's count are not copied (nor read)
-            if (pair < walk.group_end) {
+            if (token < ticket.Count()) {
               token_rows[turn] = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
                                          : w.activated + int64_t{pair} * p.intermediate;
             }
           }
         }
-        const int32_t column = walk.k0 + 8 * (lane % 8);
-        uint8_t* tokens = weights + kTmaWeightBytes;
+        const int32_t column = ticket.k0 + 8 * (lane % 8);
+        uint8_t* tokens = slots + slot * kTmaStageBytes + kTmaWeightBytes;
 #pragma unroll
         for (int turn = 0; turn < kTokenTurns; ++turn) {
           if (token_rows[turn] == nullptr) continue;
           mma::CpAsync16(tokens + sm90::Swizzle128(lane / 8 + 4 * turn, 8 * (lane % 8)),
-                         token_rows[turn] + column, column < walk.length);
+                         token_rows[turn] + column, column < length);
         }
       }
       mma::CpAsyncArriveOn(&full[slot]);
+    };
+    ExpertWalk walk(p, w, block_parts, kGateUp, w.claims + (kGateUp ? 0 : 1));
+    // Down's token rows wait for the predecessor grid, its first `stages` weight boxes do not.
+    bool waited = !kIssueBeforeWait;
+    int32_t tokens_issued = 0;  // stages whose token rows are out
+    for (int32_t stage = 0;; ++stage) {
+      const bool more = walk.Next(w);
+      issue_weights(stage, more, walk);
+      __syncwarp();  // lane 0's ticket, for every lane
+      if (!waited && (!more || stage + 1 == stages)) {
+        WaitForPredecessorGrid();
+        waited = true;
+      }
+      while (waited && tokens_issued <= stage) issue_tokens(tokens_issued++, walk.length);
       if (!more) return;
     }
   }
@@ -258,8 +294,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     const int32_t slot = stage % stages;
     sm90::MbarrierWait(&full[slot], (stage / stages) & 1);
     const StageTicket ticket = tickets[slot];
-    if (ticket.count == 0) return;
-    if (ticket.flags & kTicketFirst) {
+    if (ticket.Count() == 0) return;
+    if (ticket.First()) {
 #pragma unroll
       for (int pass = 0; pass < kTmaPasses; ++pass) {
 #pragma unroll
@@ -280,7 +316,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       }
 #pragma unroll
       for (int pass = 0; pass < kTmaPasses; ++pass) {
-        if (8 * pass >= ticket.count) break;
+        if (8 * pass >= ticket.Count()) break;
         uint32_t b[4];
         mma::LoadMatrices4(b,
                            tokens + sm90::Swizzle128(8 * pass + lane % 8, 8 * (4 * j + lane / 8)));
@@ -290,7 +326,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     }
     // Every consumer thread arrives once its own reads of the slot are done.
     sm90::MbarrierArrive(&empty[slot]);
-    if (!(ticket.flags & kTicketLast)) continue;
+    if (!ticket.Last()) continue;
 
       // The group's sums: accumulator i of pass `pass` is fragment row g (+ 8 for i >= 2), token
       // 8 * pass + 2q + (i & 1).
@@ -299,14 +335,14 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int token = 8 * pass + 2 * q + i;
-        if (token >= ticket.count) continue;
+        if (token >= ticket.Count()) continue;
         const int32_t pair = ticket.group_begin + token;
         if constexpr (kGateUp) {
           const int64_t row = ticket.row0 + 8 * warp + g;
           if (row >= p.intermediate) continue;
           const float gate = acc[pass][i], up = acc[pass][2 + i];
           if (block_parts > 1) {
-            const int32_t part = ticket.flags >> 8;
+            const int32_t part = ticket.Part();
             float* out =
                 w.gate_up_parts + ((part * p.tokens * p.top_k + pair) * 2) * p.intermediate + row;
             out[0] = gate;
@@ -317,7 +353,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
           }
         } else {
           const int64_t row = ticket.row0 + 16 * warp + g;
-          const int64_t part = ticket.flags >> 8;
+          const int64_t part = ticket.Part();
           float* out = w.expert_out + (part * p.tokens * p.top_k + w.pair_entry[pair]) * p.hidden;
           if (row < p.hidden) out[row] = acc[pass][i];
           if (row + 8 < p.hidden) out[row + 8] = acc[pass][2 + i];
@@ -333,8 +369,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 // activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
 // (grouped pair, row); pairs past the step's count return.
 __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
-  WaitForPredecessorGrid();
+  // Allows the down stream to launch before this waits: down's blocks then take the gate/up
+  // stream's places as they free and issue their first weight boxes (ExpertTmaKernel).
   AllowDependentGridLaunch();
+  WaitForPredecessorGrid();
   const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t pair = index / p.intermediate, row = index % p.intermediate;
   if (pair >= w.offsets[p.num_local_experts]) return;

@@ -105,12 +105,12 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
   const int64_t up_items = most_active * ((p.intermediate + up_rows - 1) / up_rows) * parts;
   const int32_t down_parts = moe::DownParts(p.tokens, p.top_k, p.intermediate, p.hidden);
   const int64_t down_items = most_active * ((p.hidden + down_rows - 1) / down_rows) * down_parts;
-  // The walk counts items and map rows in 32 bits.
+  // The walk counts map rows in 32 bits, and items too, with claims up to twice the items.
   const int64_t map_rows = int64_t{p.num_local_experts} * std::max(p.hidden, p.intermediate);
-  if (std::max({up_items, down_items, map_rows + down_rows}) > 0x7fffffff) {
+  if (map_rows + down_rows > 0x7fffffff || std::max(up_items, down_items) > 0x3fffffff) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda::MoeExperts: ", p.num_local_experts, " local experts of ", p.hidden,
-                     " x ", p.intermediate, " make more than 2^31 rows or work items"));
+                     " x ", p.intermediate, " make more than 2^31 rows or 2^30 work items"));
   }
   TV_ASSIGN_OR_RETURN(const CUtensorMap gate_map,
                       MakeBf16TensorMap2d(p.packed_gate, p.num_local_experts * p.intermediate,
@@ -128,8 +128,7 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
     TV_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
-  // Persistent blocks, as many as are resident at once, so the contiguous item ranges run in one
-  // wave.
+  // Persistent blocks, as many as are resident at once, claiming items until none are left.
   int resident = 0;
   TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &resident, ExpertTmaKernel<true>, moe::kTmaThreads, smem));
@@ -171,7 +170,8 @@ int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_loca
 }
 
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace,
-                        int64_t workspace_bytes, cudaStream_t stream, int32_t* active_count) {
+                        int64_t workspace_bytes, cudaStream_t stream, int32_t* active_count,
+                        cudaEvent_t shared_ready) {
   if (p.hidden <= 0 || p.intermediate <= 0 || p.top_k <= 0 || p.first_expert < 0 ||
       p.num_local_experts <= 0 || p.tokens < 0 || p.tokens > 65535) {
     return absl::InvalidArgumentError(
@@ -291,8 +291,14 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const dim3 combine_grid(static_cast<unsigned>((p.hidden + 255) / 256),
                           static_cast<unsigned>(p.tokens));
+  // With an event to wait for, the combine is an ordinary launch, not the down stream's
+  // programmatic dependent: the cross-stream wait stands between the two.
+  if (shared_ready != nullptr) {
+    TV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, shared_ready, 0));
+  }
   return LaunchKernel(CombineKernel, combine_grid, dim3(256), 0, stream,
-                      WaitsForPredecessor(CombineKernel), "MoeExperts combine", p, w, down_parts);
+                      shared_ready == nullptr && WaitsForPredecessor(CombineKernel),
+                      "MoeExperts combine", p, w, down_parts);
 }
 
 }  // namespace treeverify::kernels::cuda

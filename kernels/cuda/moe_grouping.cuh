@@ -74,13 +74,15 @@ __device__ inline void ListExpert(int32_t e, int32_t first_pair, int32_t end_pai
   }
 }
 
-// Thread 0 writes the totals.
+// Thread 0 writes the totals, and zeroes the weight streams' claim counters (ExpertWalk).
 __device__ inline void PublishGroupTotals(int32_t num_local, int32_t pairs, int32_t active,
                                           int32_t tiles, const Workspace& w,
                                           int32_t* active_count) {
   if (threadIdx.x != 0) return;
   w.offsets[num_local] = pairs;
   *w.num_active = active;
+  w.claims[0] = 0;
+  w.claims[1] = 0;
   *w.num_tiles = tiles;
   if (active_count != nullptr) *active_count = active;
 }

@@ -63,8 +63,9 @@ inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, in
 // Where the workspace's pieces are.
 struct Workspace {
   int32_t* num_active;  // [1]
-  int32_t* active;      // [num_local] local ids of the experts with tokens, ascending
-  int32_t* offsets;     // [num_local + 1] each local expert's pairs
+  int32_t* claims;   // [2] the weight streams' next work item (gate/up, down); the grouping zeroes
+  int32_t* active;   // [num_local] local ids of the experts with tokens, ascending
+  int32_t* offsets;  // [num_local + 1] each local expert's pairs
   int32_t* pair_token;  // [tokens * top_k] grouped by expert, token order within
   int32_t* pair_entry;  // [tokens * top_k] token * top_k + slot of each grouped pair
   // [num_local, GroupChunks(tokens * top_k)]: the chunked grouping's counts, then positions.
@@ -92,6 +93,7 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
     return piece;
   };
   w.num_active = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
+  w.claims = reinterpret_cast<int32_t*>(take(2 * sizeof(int32_t)));
   w.active = reinterpret_cast<int32_t*>(take(num_local * sizeof(int32_t)));
   w.offsets = reinterpret_cast<int32_t*>(take((num_local + 1) * sizeof(int32_t)));
   w.pair_token = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));

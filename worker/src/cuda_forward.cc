@@ -1022,22 +1022,40 @@ absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, fl
 }
 
 absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count) {
-  const ModelConfig& c = weights_.config;
-  const ShardingPlan& plan = weights_.plan;
   Activations& a = activations_;
-  const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
-  // The shared expert on the side stream beside the router and the routing (both read only the
-  // normed rows); joined before the experts, whose combine adds its output.
+  // The shared expert on the side stream beside the router, the routing and the routed experts
+  // (all read only the normed rows): only the combine reads its output, so MoeExperts waits for
+  // it there (shared_ready) and the grouping and the streams do not. The join after MoeExperts
+  // then finds the side work done; it ends the side branch on every path, failed ones included.
   const bool shared = moe.shared.intermediate > 0;
   if (shared) TV_RETURN_IF_ERROR(ForkSide());
   const absl::Status shared_done =
       shared ? GatedMlp(moe.shared, rows, a.shared_out.get(), side_stream(), side_gemm())
              : absl::OkStatus();
   const absl::Status routed = Route(moe, rows);
+  absl::Status experts = absl::OkStatus();
+  cudaEvent_t shared_ready = nullptr;  // none where the shared expert ran on stream_ itself
+  if (shared && side_ != nullptr && shared_done.ok() && routed.ok()) {
+    absl::StatusOr<cudaEvent_t> marked = side_->Mark();
+    if (marked.ok()) shared_ready = *marked;
+    experts = marked.status();
+  }
+  if (shared_done.ok() && routed.ok() && experts.ok())
+    experts = RoutedExperts(moe, rows, active_count, shared_ready);
   const absl::Status joined = shared ? JoinSide() : absl::OkStatus();
   TV_RETURN_IF_ERROR(shared_done);
   TV_RETURN_IF_ERROR(routed);
-  TV_RETURN_IF_ERROR(joined);
+  TV_RETURN_IF_ERROR(experts);
+  return joined;
+}
+
+absl::Status CudaForward::RoutedExperts(const DeviceMoeWeights& moe, int64_t rows,
+                                        int32_t* active_count, cudaEvent_t shared_ready) {
+  const ModelConfig& c = weights_.config;
+  const ShardingPlan& plan = weights_.plan;
+  Activations& a = activations_;
+  const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
+  const bool shared = moe.shared.intermediate > 0;
   return cuda::MoeExperts({.x = a.normed.get(),
                            .topk_ids = a.topk_ids.get(),
                            .topk_weights = a.topk_weights.get(),
@@ -1055,7 +1073,8 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
                            .packed_gate = moe.gate.get(),
                            .packed_up = moe.up.get(),
                            .packed_down = moe.down.get()},
-                          a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count);
+                          a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count,
+                          shared_ready);
 }
 
 // The router's logits and each row's top-k experts and weights.

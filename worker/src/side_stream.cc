@@ -38,6 +38,11 @@ absl::Status SideStream::Join(cudaStream_t main) {
                                    "SideStream::Join: cudaStreamWaitEvent");
 }
 
+absl::StatusOr<cudaEvent_t> SideStream::Mark() {
+  TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(join_, stream_));
+  return join_;
+}
+
 absl::Status SideStream::Synchronize() {
   return kernels::cuda::CudaStatus(cudaStreamSynchronize(stream_),
                                    "SideStream: cudaStreamSynchronize");

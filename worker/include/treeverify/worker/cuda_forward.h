@@ -206,6 +206,9 @@ class CudaForward final : public ForwardBackend {
                         kernels::cuda::GemmRunner& gemm);
   // active_count (device): where the MoE grouping writes the layer's active experts, or null.
   absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count);
+  // The routed experts and the combine (shared_ready: see cuda::MoeExperts).
+  absl::Status RoutedExperts(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count,
+                             cudaEvent_t shared_ready);
   absl::Status Route(const DeviceMoeWeights& moe, int64_t rows);
   // The side branch (side_stream.h): forked from and joined to stream_, or stream_ itself.
   absl::Status ForkSide();

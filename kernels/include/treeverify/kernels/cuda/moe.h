@@ -19,11 +19,12 @@
 // GEMM over tiles of 64 pairs of one expert (mma.sync, cp.async stages), the tiles listed by the
 // grouping. Otherwise, on sm_90 and later with the experts packed (params.packed_*), steps 2 and
 // 3 stream only the active experts' weights through shared memory as TMA boxes (a producer warp,
-// eight mma warps, persistent blocks each taking a contiguous range of (active expert, row tile,
-// block part) items), each row once per group of up to 32 tokens; without packed experts or
-// before sm_90, CUDA-core kernels. At verify sizes (a few tokens per expert) the phase is a
-// weight-streaming problem: its floor is the active experts' bytes over the copy bandwidth. No
-// global atomics anywhere: the bytes do not depend on scheduling.
+// eight mma warps, persistent blocks claiming (active expert, row tile, block part) items one at
+// a time), each row once per group of up to 32 tokens; without packed experts or before sm_90,
+// CUDA-core kernels. At verify sizes (a few tokens per expert) the phase is a weight-streaming
+// problem: its floor is the active experts' bytes over the copy bandwidth. No sum depends on
+// scheduling: the only global atomics hand out work items, and each item's sums are one block's
+// in a fixed order, so the bytes do not depend on which block took it.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);
@@ -52,9 +53,11 @@ int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_loca
 // host, cudaMalloc's alignment is 256); packed_gate, packed_up and packed_down, where set, must
 // describe the same matrices (also not checkable from the host). workspace holds at
 // least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
-// is set, the number of local experts with tokens is written there (step accounting).
+// is set, the number of local experts with tokens is written there (step accounting). If
+// shared_ready is set, shared_out may still be being written on another stream until that event
+// completes: the combine, its only reader, waits for it (and only the combine).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
                         int64_t workspace_bytes, cudaStream_t stream,
-                        int32_t* active_count = nullptr);
+                        int32_t* active_count = nullptr, cudaEvent_t shared_ready = nullptr);
 
 }  // namespace treeverify::kernels::cuda
