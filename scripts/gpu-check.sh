@@ -14,20 +14,27 @@
 # A/B runs of the attention benchmark (bench/NOTES.md: both builds in one call, alternated):
 #   scripts/gpu-check.sh bundle-bench REV DIR [BINARY...]  here: mla_verify_bench (or the given
 #                                                binaries, by build-tree path) of git revision REV,
-#                                                built in a temporary worktree, bundled into DIR
+#                                                built in .rev-worktree/ (git-ignored, kept, so a
+#                                                second revision builds only what differs),
+#                                                bundled into DIR
 #   scripts/gpu-check.sh ab OUTDIR DIR... [-- ARGS...]  on the GPU machine: the benchmark of each
 #                                                bundle DIR, alternated twice, ARGS passed on
 #                                                (e.g. --only 8,1,16384,1); OUTDIR/NAME-PASS.json
 #   scripts/bench-compare.py OUTDIR              here: the table of those runs
 #
 # A/B runs of the rank step (bench/NOTES.md from step 90):
-#   scripts/gpu-check.sh rank-ab OUTDIR BEFORE AFTER [-- ARGS...]  on the GPU machine: two
-#                                                rank_step_bench binaries (the bundle's libraries)
-#                                                alternated twice (OUTDIR/{before,after}-PASS.json
+#   scripts/gpu-check.sh rank-ab OUTDIR [NAME=]BENCH... [-- ARGS...]  on the GPU machine: two or
+#                                                more rank_step_bench binaries (the bundle's
+#                                                libraries) alternated twice (OUTDIR/NAME-PASS.json
 #                                                and .log), then a CUPTI trace of one step of each
-#                                                (OUTDIR/{before,after}-trace.tsv, for
-#                                                scripts/kernel-timeline.py). ARGS default to
-#                                                4 layers, both shardings, 46k, 1/16/64 nodes
+#                                                (OUTDIR/NAME-trace.tsv, for
+#                                                scripts/kernel-timeline.py). NAME defaults to the
+#                                                bundle directory of DIR/bin/rank_step_bench, else
+#                                                the file's name. ARGS default to 4 layers, both
+#                                                shardings, 46k, 1/16/64 nodes
+#
+# SUITES (run): the test binaries to run, by name (default: all of them), e.g.
+#   SUITES="cuda_forward_ops_test cuda_forward_test" SANITIZE=0 scripts/gpu-check.sh run OUT
 #
 # With the device tool: carry .gpu-bundle and run
 #   bash scripts/gpu-check.sh run $OUT && bash scripts/gpu-check.sh bench $OUT
@@ -90,6 +97,7 @@ case "${1:-}" in
     # Each suite is bounded, so that a hang fails its suite and the check goes on to the next.
     for t in "${gpu_tests[@]}"; do
       name=$(basename "$t")
+      if [ -n "${SUITES:-}" ] && [[ " $SUITES " != *" $name "* ]]; then continue; fi
       if ! timeout -s INT "${SUITE_TIMEOUT:-240}" "$bundle/bin/$name" "${filter[@]}" \
           >"$out/$name.log" 2>&1; then
         status=1
@@ -104,7 +112,7 @@ case "${1:-}" in
     done
     # The two-GPU forward tests again, repeated: ranks over NCCL hung once in a few runs (bench/
     # NOTES.md, step 95), which one pass does not show.
-    if [ ${#filter[@]} -eq 0 ]; then
+    if [ ${#filter[@]} -eq 0 ] && [[ -z "${SUITES:-}" || " $SUITES " == *" cuda_forward_test "* ]]; then
       if ! timeout -s INT 120 "$bundle/bin/cuda_forward_test" --gtest_filter='*OnTwoGpus' \
           --gtest_repeat=8 >"$out/two-gpu-repeat.log" 2>&1; then
         status=1
@@ -165,9 +173,14 @@ case "${1:-}" in
     if [ ${#binaries[@]} -eq 0 ]; then binaries=(bench/mla_verify_bench); fi
     targets=()
     for binary in "${binaries[@]}"; do targets+=("$(basename "$binary")"); done
-    tree=$(mktemp -d /tmp/treeverify-rev.XXXXXX)
-    git -C "$root" worktree add --detach -q "$tree" "$rev"
-    trap 'git -C "$root" worktree remove --force "$tree"' EXIT
+    # One worktree for every revision, kept with its build tree: switching revisions touches only
+    # the files that differ, so ninja rebuilds only what depends on them.
+    tree=$root/.rev-worktree
+    if [ ! -e "$tree/.git" ]; then
+      git -C "$root" worktree add --detach -q "$tree" "$rev"
+    else
+      git -C "$tree" checkout --detach -q "$rev"
+    fi
     SOURCE_DIR=$tree BUILD_DIR=$tree/build-gpu TARGETS="${targets[*]}" \
       "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON >/dev/null
     rm -rf "$dir"
@@ -202,10 +215,35 @@ case "${1:-}" in
     done
     ;;
   rank-ab)
-    out=${2:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
-    declare -A bench_of=([before]=${3:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]}
-                        [after]=${4:?usage: $0 rank-ab OUTDIR BEFORE AFTER [-- ARGS...]})
-    shift 4
+    usage="usage: $0 rank-ab OUTDIR [NAME=]BENCH... [-- ARGS...]"
+    out=${2:?$usage}
+    shift 2
+    names=()
+    declare -A bench_of=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+      if [[ $1 == *=* ]]; then
+        name=${1%%=*}
+        path=${1#*=}
+      else
+        path=$1
+        name=$(basename "$path")
+        # A bundle's benchmark (bundle-bench's DIR/bin/rank_step_bench) is named by its bundle.
+        if [ "$name" = rank_step_bench ] && [ "$(basename "$(dirname "$path")")" = bin ]; then
+          name=$(basename "$(dirname "$(dirname "$path")")")
+        fi
+      fi
+      if [ -n "${bench_of[$name]:-}" ]; then
+        echo "gpu-check: two benches named $name; name them NAME=BENCH" >&2
+        exit 2
+      fi
+      names+=("$name")
+      bench_of[$name]=$path
+      shift
+    done
+    if [ ${#names[@]} -lt 2 ]; then
+      echo "$usage" >&2
+      exit 2
+    fi
     if [ "${1:-}" = -- ]; then shift; fi
     args=("$@")
     if [ ${#args[@]} -eq 0 ]; then
@@ -216,7 +254,7 @@ case "${1:-}" in
     # shellcheck disable=SC1091
     source "$bundle/env.sh"
     for pass in 1 2; do
-      for name in before after; do
+      for name in "${names[@]}"; do
         if ! timeout 150 "${bench_of[$name]}" "${args[@]}" --json "$out/$name-$pass.json" \
             >"$out/$name-$pass.log" 2>&1; then
           echo "gpu-check: $name failed (pass $pass)" >&2
@@ -225,17 +263,19 @@ case "${1:-}" in
         fi
       done
     done
-    for name in before after; do
+    for name in "${names[@]}"; do
       CUDA_INJECTION64_PATH=$bundle/lib/libcupti_trace.so TREEVERIFY_TRACE=$out/$name-trace.tsv \
         timeout 90 "${bench_of[$name]}" --layers 4 --sharding split --contexts 46080 --trees 16 \
         --iters 3 >"$out/$name-trace.log" 2>&1 || echo "gpu-check: the $name trace failed" >&2
     done
-    grep -h "tree 16" "$out"/*-2.log || true
+    for name in "${names[@]}"; do
+      grep -h "tree 16" "$out/$name-2.log" | sed "s/^/$name: /" || true
+    done
     ;;
   *)
     echo "usage: $0 bundle | run [OUTDIR] | bench [OUTDIR] [ARGS...] |" \
       "bundle-bench REV DIR [BINARY...] | ab OUTDIR DIR... [-- ARGS...] |" \
-      "rank-ab OUTDIR BEFORE AFTER [-- ARGS...]" >&2
+      "rank-ab OUTDIR [NAME=]BENCH... [-- ARGS...]" >&2
     exit 2
     ;;
 esac
