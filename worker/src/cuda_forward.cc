@@ -1040,8 +1040,9 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
     if (marked.ok()) shared_ready = *marked;
     experts = marked.status();
   }
-  if (shared_done.ok() && routed.ok() && experts.ok())
+  if (shared_done.ok() && routed.ok() && experts.ok()) {
     experts = RoutedExperts(moe, rows, active_count, shared_ready);
+  }
   const absl::Status joined = shared ? JoinSide() : absl::OkStatus();
   TV_RETURN_IF_ERROR(shared_done);
   TV_RETURN_IF_ERROR(routed);
