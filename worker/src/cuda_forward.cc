@@ -657,9 +657,9 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   // this order: the MHA form rotates q_pe in place, which the absorbed form reads unrotated.
   const int32_t absorbed = AbsorbedSequences(layout.sequences);
   // The KV path (kv_a, its norm, k_pe's rotation, the append) on the side stream beside the
-  // query path (q_a, its norm, q_b; W_UK and q_pe's rotation for the absorbed form): neither
-  // reads the other's outputs, and both are chains of small latency-bound kernels. Joined before
-  // the attention reads the cache.
+  // query path (q_a, its norm, q_b; W_UK for the absorbed form, with q_pe's rotation forked onto
+  // the side branch once q_b is done): neither reads the other's outputs, and both are chains of
+  // small latency-bound kernels. Joined before the attention reads the cache.
   TV_RETURN_IF_ERROR(ForkSide());
   const absl::Status kv = AppendNewRows(layer_index, layout.rows, side_stream(), side_gemm());
   absl::Status queries = ProjectQueries(w, layout.rows);
@@ -787,32 +787,37 @@ absl::Status CudaForward::AbsorbedQueries(int64_t layer_index, int64_t rows) {
   const DeviceAttentionWeights& w = weights_.layers[layer_index].attention;
   Activations& a = activations_;
   const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.q.get(),
-                                 .weight = w.w_uk_t.get(),
-                                 .y = a.q_attn.get(),
-                                 .m = rows,
-                                 .n = lora,
-                                 .k = nope,
-                                 .x_stride = heads * qk,
-                                 .y_stride = heads * row_dim,
-                                 .batch = heads,
-                                 .x_batch_stride = qk,
-                                 .weight_batch_stride = lora * nope,
-                                 .y_batch_stride = row_dim},
-                                stream_));
-  return cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q_attn.get() + lora,
-                                                      .positions = inputs_.positions,
-                                                      .inv_freq = weights_.rope_inv_freq.get(),
-                                                      .rows = rows,
-                                                      .heads = heads,
-                                                      .rope_dim = rope,
-                                                      .row_stride = heads * row_dim,
-                                                      .head_stride = row_dim,
-                                                      .attention_factor = rope_attention_factor_,
-                                                      .interleaved = c.rope_interleave,
-                                                      .input = a.q.get() + nope,
-                                                      .input_row_stride = heads * qk,
-                                                      .input_head_stride = qk},
+  // q_pe's rotation on the side branch beside W_UK (bench/NOTES.md, step 106): both read q_b's
+  // output and write disjoint columns of the absorbed rows; the caller's join orders both before
+  // the attention.
+  TV_RETURN_IF_ERROR(ForkSide());
+  TV_RETURN_IF_ERROR(
+      cuda::Rope(kernels::RopeParamsOf<Bf16, Bf16>{.x = a.q_attn.get() + lora,
+                                                   .positions = inputs_.positions,
+                                                   .inv_freq = weights_.rope_inv_freq.get(),
+                                                   .rows = rows,
+                                                   .heads = heads,
+                                                   .rope_dim = rope,
+                                                   .row_stride = heads * row_dim,
+                                                   .head_stride = row_dim,
+                                                   .attention_factor = rope_attention_factor_,
+                                                   .interleaved = c.rope_interleave,
+                                                   .input = a.q.get() + nope,
+                                                   .input_row_stride = heads * qk,
+                                                   .input_head_stride = qk},
+                 side_stream()));
+  return gemm_->Run({.x = a.q.get(),
+                     .weight = w.w_uk_t.get(),
+                     .y = a.q_attn.get(),
+                     .m = rows,
+                     .n = lora,
+                     .k = nope,
+                     .x_stride = heads * qk,
+                     .y_stride = heads * row_dim,
+                     .batch = heads,
+                     .x_batch_stride = qk,
+                     .weight_batch_stride = lora * nope,
+                     .y_batch_stride = row_dim},
                     stream_);
 }
 

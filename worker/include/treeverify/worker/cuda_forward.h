@@ -197,6 +197,8 @@ class CudaForward final : public ForwardBackend {
   // The new rows' latent KV into the cache, on `stream` with `gemm` (the side branch's).
   absl::Status AppendNewRows(int64_t layer, int64_t rows, cudaStream_t stream,
                              kernels::cuda::GemmRunner& gemm);
+  // q_nope through W_UK on stream_ and q_pe's rotation on the side branch (forked here; the
+  // caller joins), into the absorbed query rows.
   absl::Status AbsorbedQueries(int64_t layer, int64_t rows);
   absl::Status AbsorbedAttention(int64_t layer, const StepLayout& layout);
   absl::Status PrefillAttention(int64_t layer, const StepLayout& layout);
