@@ -2,11 +2,13 @@
 #include "treeverify/kernels/cuda/rms_norm.h"
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
 #include "cuda_test_base.h"
 #include "gtest/gtest.h"
+#include "treeverify/kernels/cuda/global_timer.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -52,6 +54,32 @@ TEST_F(CudaRmsNormTest, MatchesTheCpuBackend) {
       }
     }
   }
+}
+
+// The start stamp (a phase mark of the step accounting): written by the norm between the stamps
+// of the kernels before and after it on the stream, and the output is unchanged by it.
+TEST_F(CudaRmsNormTest, StampsItsStartBetweenItsNeighbours) {
+  const int64_t rows = 4, dim = 7168;
+  std::vector<float> x(rows * dim, 0.5f), w(dim, 1.0f);
+  DeviceBuffer<float> dx(x.size()), dw(w.size()), dy(x.size()), plain(x.size());
+  DeviceBuffer<uint64_t> stamps(3);
+  dx.CopyFrom(x);
+  dw.CopyFrom(w);
+  stamps.CopyFrom({0, 0, 0});
+  const RmsNormParams params{
+      .input = dx.get(), .weight = dw.get(), .output = dy.get(), .rows = rows, .dim = dim};
+  ASSERT_TRUE(RecordGlobalTimer(stamps.get(), nullptr).ok());
+  ASSERT_TRUE(RmsNorm(params, nullptr, stamps.get() + 1).ok());
+  ASSERT_TRUE(RecordGlobalTimer(stamps.get() + 2, nullptr).ok());
+  RmsNormParams unstamped = params;
+  unstamped.output = plain.get();
+  ASSERT_TRUE(RmsNorm(unstamped, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint64_t> t = stamps.ToHost();
+  EXPECT_GT(t[0], 0u);
+  EXPECT_LE(t[0], t[1]);
+  EXPECT_LE(t[1], t[2]);
+  EXPECT_EQ(dy.ToHost(), plain.ToHost());
 }
 
 // Parameter checks happen before any CUDA call, so they run without a GPU too.
