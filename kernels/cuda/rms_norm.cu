@@ -6,7 +6,8 @@ namespace treeverify::kernels::cuda {
 namespace {
 
 template <typename Input, typename Weight, typename Output>
-absl::Status Launch(const RmsNormParamsOf<Input, Weight, Output>& p, cudaStream_t stream) {
+absl::Status Launch(const RmsNormParamsOf<Input, Weight, Output>& p, cudaStream_t stream,
+                    uint64_t* start_stamp) {
   const int64_t input_stride = p.input_stride ? p.input_stride : p.dim;
   const int64_t output_stride = p.output_stride ? p.output_stride : p.dim;
   if (p.rows < 0 || p.rows > 0x7fffffff || p.dim <= 0 || input_stride < p.dim ||
@@ -29,25 +30,29 @@ absl::Status Launch(const RmsNormParamsOf<Input, Weight, Output>& p, cudaStream_
   const unsigned blocks = static_cast<unsigned>(p.rows);
   if (p.dim > 8 * 1024) {
     RmsNormKernel<1024, 0><<<blocks, 1024, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
-                                                        p.dim, input_stride, output_stride, p.eps);
+                                                        p.dim, input_stride, output_stride, p.eps,
+                                                        start_stamp);
   } else if (p.dim >= 4096) {
     RmsNormKernel<1024, 8><<<blocks, 1024, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
-                                                        p.dim, input_stride, output_stride, p.eps);
+                                                        p.dim, input_stride, output_stride, p.eps,
+                                                        start_stamp);
   } else {
     RmsNormKernel<256, 16><<<blocks, 256, 0, stream>>>(p.input, p.add, p.sum, p.weight, p.output,
-                                                       p.dim, input_stride, output_stride, p.eps);
+                                                       p.dim, input_stride, output_stride, p.eps,
+                                                       start_stamp);
   }
   return CudaStatus(cudaGetLastError(), "RmsNormKernel launch");
 }
 
 }  // namespace
 
-absl::Status RmsNorm(const RmsNormParams& params, cudaStream_t stream) {
-  return Launch(params, stream);
+absl::Status RmsNorm(const RmsNormParams& params, cudaStream_t stream, uint64_t* start_stamp) {
+  return Launch(params, stream, start_stamp);
 }
 
-absl::Status RmsNorm(const RmsNormParamsOf<float, Bf16, Bf16>& params, cudaStream_t stream) {
-  return Launch(params, stream);
+absl::Status RmsNorm(const RmsNormParamsOf<float, Bf16, Bf16>& params, cudaStream_t stream,
+                     uint64_t* start_stamp) {
+  return Launch(params, stream, start_stamp);
 }
 
 }  // namespace treeverify::kernels::cuda

@@ -22,8 +22,14 @@ namespace treeverify::kernels::cuda {
 template <int kThreads, int kPerThread, typename Input, typename Weight, typename Output>
 __global__ void RmsNormKernel(const Input* input, const Input* add, Input* sum,
                               const Weight* __restrict__ weight, Output* output, int64_t dim,
-                              int64_t input_stride, int64_t output_stride, float eps) {
+                              int64_t input_stride, int64_t output_stride, float eps,
+                              uint64_t* start_stamp) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024);
+  if (start_stamp != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    *start_stamp = now;
+  }
   const Input* x = input + blockIdx.x * input_stride;
   Output* y = output + blockIdx.x * output_stride;
   const Input* a = add == nullptr ? nullptr : add + blockIdx.x * input_stride;

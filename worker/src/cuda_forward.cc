@@ -175,19 +175,38 @@ CudaForward::~CudaForward() {
 
 absl::Status CudaForward::StartAccount() {
   marks_.clear();
+  norm_stamp_ = nullptr;
   if (!account_steps_) return absl::OkStatus();
   return cuda::RecordGlobalTimer(stamps_.get(), stream_);
 }
 
 absl::Status CudaForward::Mark(StepPhase phase) {
+  TV_RETURN_IF_ERROR(MarkAtNextNorm(phase));
+  return FlushNormStamp();
+}
+
+absl::Status CudaForward::MarkBeforeNorm(StepPhase phase) {
+  return communicator_->world_size() == 1 ? MarkAtNextNorm(phase) : Mark(phase);
+}
+
+absl::Status CudaForward::MarkAtNextNorm(StepPhase phase) {
   if (!account_steps_) return absl::OkStatus();
+  TV_RETURN_IF_ERROR(FlushNormStamp());  // an earlier mark's slot not yet stamped
   const size_t next = marks_.size() + 1;
   if (static_cast<int64_t>(next) >= stamps_.size()) {
     return absl::InternalError(
         absl::StrCat("CudaForward: more than ", stamps_.size() - 1, " phase marks in one step"));
   }
   marks_.push_back(phase);
-  return cuda::RecordGlobalTimer(stamps_.get() + next, stream_);
+  norm_stamp_ = stamps_.get() + next;
+  return absl::OkStatus();
+}
+
+uint64_t* CudaForward::TakeNormStamp() { return std::exchange(norm_stamp_, nullptr); }
+
+absl::Status CudaForward::FlushNormStamp() {
+  uint64_t* slot = TakeNormStamp();
+  return slot != nullptr ? cuda::RecordGlobalTimer(slot, stream_) : absl::OkStatus();
 }
 
 absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& layout) {
@@ -327,6 +346,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
 }
 
 absl::Status CudaForward::CopyToHost(const float* data, int64_t count, std::vector<float>& host) {
+  TV_RETURN_IF_ERROR(FlushNormStamp());  // a mark waiting for a norm is stamped before the copy
   host.resize(count);
   TV_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(host.data(), data, count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -349,15 +369,16 @@ absl::Status CudaForward::Synchronize() {
 absl::Status CudaForward::AllReduce(float* data, int64_t count) {
   if (communicator_->world_size() == 1) return absl::OkStatus();
   if (collectives_ != nullptr) {
+    TV_RETURN_IF_ERROR(FlushNormStamp());  // the phase before ends before the all-reduce
     TV_RETURN_IF_ERROR(collectives_->EnqueueAllReduceSum(data, count, stream_));
-    return Mark(StepPhase::kAllReduce);
+    return MarkAtNextNorm(StepPhase::kAllReduce);  // every all-reduce is followed by a norm
   }
   std::vector<float> host;
   TV_RETURN_IF_ERROR(CopyToHost(data, count, host));
   TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(host)));
   TV_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(data, host.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  return Mark(StepPhase::kAllReduce);
+  return MarkAtNextNorm(StepPhase::kAllReduce);
 }
 
 absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
@@ -598,7 +619,7 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
                        .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
                        .vocab_end = static_cast<int32_t>(weights_.plan.vocab.end)},
                       stream_));
-  TV_RETURN_IF_ERROR(Mark(StepPhase::kEmbed));
+  TV_RETURN_IF_ERROR(MarkBeforeNorm(StepPhase::kEmbed));
   TV_RETURN_IF_ERROR(AllReduce(a.residual.get(), rows * hidden));
   if (capture != nullptr && (*capture)[0]) {
     TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), step_rows_ * hidden, hidden_states[0]));
@@ -614,7 +635,7 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
                           .eps = eps,
                           .add = add_branch ? a.branch.get() : nullptr,
                           .sum = add_branch ? a.residual.get() : nullptr},
-                         stream_);
+                         stream_, TakeNormStamp());
   };
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const DeviceLayerWeights& layer = weights_.layers[l];
@@ -623,11 +644,11 @@ absl::Status CudaForward::Layers(const StepLayout& layout, const std::vector<boo
       TV_RETURN_IF_ERROR(CopyToHost(a.residual.get(), step_rows_ * hidden, hidden_states[l]));
     }
     TV_RETURN_IF_ERROR(Attention(l, layout));
-    TV_RETURN_IF_ERROR(Mark(StepPhase::kAttention));
+    TV_RETURN_IF_ERROR(MarkBeforeNorm(StepPhase::kAttention));
     TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
     TV_RETURN_IF_ERROR(norm(layer.post_norm.get(), /*add_branch=*/true));
     TV_RETURN_IF_ERROR(Mlp(l, rows));
-    TV_RETURN_IF_ERROR(Mark(StepPhase::kMoe));
+    TV_RETURN_IF_ERROR(MarkBeforeNorm(StepPhase::kMoe));
     TV_RETURN_IF_ERROR(AllReduce(a.branch.get(), rows * hidden));
   }
   TV_RETURN_IF_ERROR(norm(weights_.final_norm.get(), /*add_branch=*/c.num_hidden_layers > 0));

@@ -161,6 +161,15 @@ class CudaForward final : public ForwardBackend {
   // counts to `phase`; Account turns the step's intervals into last_account_.
   absl::Status StartAccount();
   absl::Status Mark(StepPhase phase);
+  // Where only the all-reduce stands between the phase's end and the next RmsNorm: the mark is
+  // the norm's own start stamp when there is no all-reduce (W = 1), else Mark (the all-reduce's
+  // mark is then the norm's). One kernel node fewer a mark (bench/NOTES.md, step 107).
+  absl::Status MarkBeforeNorm(StepPhase phase);
+  absl::Status MarkAtNextNorm(StepPhase phase);
+  // The slot the next norm stamps (nullptr if none), and the stamp kernel for a pending slot when
+  // something else comes first (a copy to the host).
+  uint64_t* TakeNormStamp();
+  absl::Status FlushNormStamp();
   absl::Status Account(const BatchInputs& batch, const StepLayout& layout);
   // Run's work; Run adds what a failure means for the group.
   absl::Status Step(const BatchInputs& batch, ForwardOutputs& outputs);
@@ -263,6 +272,7 @@ class CudaForward final : public ForwardBackend {
   // nodes in graphs); marks_[i] closes the interval stamps_[i] .. stamps_[i + 1].
   DeviceArray<uint64_t> stamps_;
   std::vector<StepPhase> marks_;
+  uint64_t* norm_stamp_ = nullptr;       // a mark's slot that the next RmsNorm writes
   DeviceArray<int32_t> active_experts_;  // [layers] written by the MoE grouping
   std::optional<StepAccount> last_account_;
 };
