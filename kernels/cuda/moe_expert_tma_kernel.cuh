@@ -120,6 +120,9 @@ struct ExpertWalk {
   // Advances to the next stage; false past the block's last, and from then on.
   __device__ bool Next(const Workspace& w) {
     if (done_) return false;
+    // The item claimed at the current one's start is resolved at its second stage, so that its
+    // loads are in flight while this item streams, not waited for at its boundary.
+    if (started_ && !next_resolved_) Resolve(w);
     if (started_ && k0 + kTmaCols < k_end) {
       k0 += kTmaCols;
       return true;
@@ -134,23 +137,22 @@ struct ExpertWalk {
     // part range (more parts than chunks) has no stages. Claims stay below 2^31: fewer than 2^30
     // items (MoeExperts checks, and the grid is no larger), each block claims once past the last.
     do {
-      const int32_t item = __shfl_sync(0xffffffffu, claimed_, 0);
+      if (!next_resolved_) Resolve(w);
+      const int32_t item = next_item_;
       if (item >= items) {
         done_ = true;  // k_end may hold a skipped item's: the branches above must not see it
         return false;
       }
+      started_ = true;
+      next_resolved_ = false;
       Claim();
       const int32_t per_expert = tiles * parts;
-      const int32_t item_active = item / per_expert;
+      active = item / per_expert;
       tile = item % per_expert / parts;
       part = item % parts;
-      if (!started_ || active != item_active) {
-        started_ = true;
-        active = item_active;
-        expert = w.active[active];
-        pairs_begin = w.offsets[expert];
-        pairs_end = w.offsets[expert + 1];
-      }
+      expert = next_expert_;
+      pairs_begin = next_pairs_.x;
+      pairs_end = next_pairs_.y;
       k_begin = min(chunks, part * per_part) * kTmaCols;
       k_end = min(length, min(chunks, (part + 1) * per_part) * kTmaCols);
     } while (k_begin >= k_end);
@@ -169,8 +171,23 @@ struct ExpertWalk {
     if (threadIdx.x % 32 == 0) claimed_ = atomicAdd(claims_, 1) + static_cast<int32_t>(gridDim.x);
   }
 
+  // The claimed item (every lane), its expert and the expert's grouped pairs; their loads are
+  // waited for where they are used, at the next item's start.
+  __device__ void Resolve(const Workspace& w) {
+    next_item_ = __shfl_sync(0xffffffffu, claimed_, 0);
+    if (next_item_ < items) {
+      const int32_t next_active = next_item_ / (tiles * parts);
+      next_expert_ = w.active[next_active];
+      next_pairs_ = w.active_pairs[next_active];
+    }
+    next_resolved_ = true;
+  }
+
   int32_t* claims_;
   int32_t claimed_;  // lane 0's claim (every lane's, for the first item), not yet walked
+  int32_t next_item_ = 0, next_expert_ = 0;
+  int2 next_pairs_ = {};
+  bool next_resolved_ = false;
   bool started_ = false;
   bool done_ = false;
 };

@@ -62,11 +62,14 @@ __device__ inline void ScanGroupCounts(int32_t& pairs, int32_t& active, int32_t&
   BlockExclusiveScan2(tiles, no_second, total_tiles, unused);
 }
 
-// Expert e's grouped pairs [first_pair, end_pair): into the active list (at `active`) and the
-// grouped GEMM's tiles (at `tiles`; kGemmPairs pairs each, the last partial).
+// Expert e's grouped pairs [first_pair, end_pair): into the active list (at `active`, with the
+// range) and the grouped GEMM's tiles (at `tiles`; kGemmPairs pairs each, the last partial).
 __device__ inline void ListExpert(int32_t e, int32_t first_pair, int32_t end_pair, int32_t& active,
                                   int32_t& tiles, const Workspace& w) {
-  if (end_pair > first_pair) w.active[active++] = e;
+  if (end_pair > first_pair) {
+    w.active[active] = e;
+    w.active_pairs[active++] = make_int2(first_pair, end_pair);
+  }
   for (int32_t pair = first_pair; pair < end_pair; pair += kGemmPairs) {
     w.tile_expert[tiles] = e;
     w.tile_pair[tiles] = pair;

@@ -63,9 +63,11 @@ inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, in
 // Where the workspace's pieces are.
 struct Workspace {
   int32_t* num_active;  // [1]
-  int32_t* claims;   // [2] the weight streams' next work item (gate/up, down); the grouping zeroes
-  int32_t* active;   // [num_local] local ids of the experts with tokens, ascending
-  int32_t* offsets;  // [num_local + 1] each local expert's pairs
+  // [2] the weight streams' next work items (gate/up, down), zeroed by the grouping.
+  int32_t* claims;
+  int32_t* active;      // [num_local] local ids of the experts with tokens, ascending
+  int2* active_pairs;   // [num_local] each active expert's grouped pairs [x, y), beside `active`
+  int32_t* offsets;     // [num_local + 1] each local expert's pairs
   int32_t* pair_token;  // [tokens * top_k] grouped by expert, token order within
   int32_t* pair_entry;  // [tokens * top_k] token * top_k + slot of each grouped pair
   // [num_local, GroupChunks(tokens * top_k)]: the chunked grouping's counts, then positions.
@@ -95,6 +97,7 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
   w.num_active = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   w.claims = reinterpret_cast<int32_t*>(take(2 * sizeof(int32_t)));
   w.active = reinterpret_cast<int32_t*>(take(num_local * sizeof(int32_t)));
+  w.active_pairs = reinterpret_cast<int2*>(take(num_local * sizeof(int2)));
   w.offsets = reinterpret_cast<int32_t*>(take((num_local + 1) * sizeof(int32_t)));
   w.pair_token = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
   w.pair_entry = reinterpret_cast<int32_t*>(take(pairs * sizeof(int32_t)));
