@@ -8,8 +8,12 @@
 // streams through the expert stream's pipeline (moe_expert_tma_kernel.cuh): a producer warp issues
 // TMA boxes of 128 rows x 64 columns and cp.async token rows into 5 stages, eight mma.sync warps
 // multiply; blocks claim (row tile, reduction part) items from a counter, the first item of block
-// b being item b. Variants, each cold (the L2 flushed before every repetition), medians of 20:
+// b being item b. Variants, each cold (the L2 holding another buffer's clean lines before every
+// repetition), medians of 20; with barriers launched cooperatively (all blocks resident, or no
+// launch):
 //   launch per product   three launches in stream order, one product each
+//   ..., programmatic    the same, the second and third as programmatic dependents whose weight
+//                        boxes go out before they wait for the previous launch (step 100's way)
 //   one kernel, barriers one launch; a product's token rows wait for a grid barrier (its input is
 //                        the previous product's output), its weight boxes do not (the ring's
 //                        stages are issued before the wait)
@@ -32,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "grid_dependency.cuh"
 #include "mma_sync_primitives.cuh"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
@@ -63,6 +68,8 @@ struct Params {
   Segment segment[kMaxSegments];
   int32_t first, last;  // the products [first, last) this launch streams
   bool barriers;        // a grid barrier before each product's token rows (not the first's)
+  bool after_previous;  // a programmatic dependent: the first product's token rows wait for the
+                        // previous launch (griddepcontrol.wait), its weight boxes do not
   const __nv_bfloat16* x;
   int32_t x_stride;
   float* sink;         // a float per thread of the grid
@@ -105,24 +112,36 @@ __global__ void __launch_bounds__(kThreads, 2)
     sm90::FenceBarrierInit();
   }
   __syncthreads();
+  treeverify::kernels::cuda::AllowDependentGridLaunch();
 
   if (warp == kConsumerWarps) {
     int32_t stage = 0;          // stages whose ticket (and weights) are out
     int32_t tokens_issued = 0;  // stages whose token rows (and the warp's arrivals) are out
-    int32_t open = p.barriers ? p.first : p.last;  // products whose token rows may go
+    // Products whose token rows (and segment-end markers) may go: after the previous launch for
+    // a programmatic dependent, after the grid barrier for each product past the first.
+    int32_t open = p.after_previous ? p.first - 1 : p.barriers ? p.first : p.last;
     // The token rows of every stage up to `stage` whose product is open; with `wait`, the first
-    // held one's barrier is waited for.
+    // held one's wait is waited for. A marker is held too: a block with no items in a product
+    // must not count itself done with it before the product's barrier has passed.
     auto issue_tokens = [&](bool wait) {
       while (tokens_issued < stage) {
         const int32_t slot = tokens_issued % kStages;
         const Ticket t = tickets[slot];
-        if (t.kind == kWork && t.segment > open) {
-          const uint32_t needed = static_cast<uint32_t>(t.segment - p.first) * gridDim.x;
-          bool passed = false;
-          do {
-            passed = __shfl_sync(0xffffffffu, lane == 0 && LoadAcquire(p.arrivals) >= needed, 0);
-          } while (!passed && wait);
-          if (!passed) return;
+        if (t.kind != kExit && t.segment > open) {
+          if (t.segment == p.first) {  // after_previous: griddepcontrol.wait cannot be polled
+            if (!wait) return;
+            treeverify::kernels::cuda::WaitForPredecessorGrid();
+          } else {
+            const uint32_t needed = static_cast<uint32_t>(t.segment - p.first) * gridDim.x;
+            bool passed = false;
+            while (true) {
+              passed = __shfl_sync(0xffffffffu, lane == 0 && LoadAcquire(p.arrivals) >= needed, 0);
+              if (passed || !wait) break;
+              __nanosleep(64);
+            }
+            if (!passed) return;
+            __syncwarp();  // lane 0's acquire, before every lane's reads of the product's input
+          }
           open = t.segment;
         }
         if (t.kind == kWork) {
@@ -233,6 +252,18 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
+// Reads `words` (a stride over the grid) so that the L2 holds only clean lines of this buffer: a
+// memset's dirty lines would be written back inside the timed window, as the weights evict them.
+__global__ void FlushL2Kernel(const uint4* words, int64_t count, uint32_t* sink) {
+  uint32_t x = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 w = words[i];
+    x ^= w.x ^ w.y ^ w.z ^ w.w;
+  }
+  if (x == 0x9e3779b9u) *sink = x;  // keeps the loads; practically never taken
+}
+
 void Check(bool ok, const char* what, int line, const char* detail) {
   if (ok) return;
   std::fprintf(stderr, "phase_stream_probe.cu:%d %s: %s\n", line, what, detail);
@@ -290,8 +321,9 @@ int main(int argc, char** argv) {
     g.rows = shapes[s][0];
     g.cols = shapes[s][1];
     const int32_t tiles = (g.rows + kRows - 1) / kRows, chunks = (g.cols + kCols - 1) / kCols;
-    // About one item per block at least, each a whole number of 64-column stages.
-    g.per_part = std::max(1, tiles * chunks / grid);
+    // About two items per block or more, each a whole number of 64-column stages, so the claims
+    // even out the blocks' shares.
+    g.per_part = std::max(1, tiles * chunks / (2 * grid));
     g.parts = (chunks + g.per_part - 1) / g.per_part;
     g.items = tiles * g.parts;
     bytes[s] = 2.0 * g.rows * g.cols;
@@ -315,6 +347,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMemset(sink, 0, sink_bytes));
   CHECK_CUDA(cudaMalloc(&counters, (kMaxSegments + 1) * sizeof(int32_t)));
   CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  CHECK_CUDA(cudaMemset(flush, 1, flush_bytes));
   params.x = x;
   params.x_stride = 7168;
   params.sink = sink;
@@ -325,6 +358,7 @@ int main(int argc, char** argv) {
   struct Run {
     int32_t first, last;
     bool barriers;
+    bool after_previous;
   };
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
@@ -332,7 +366,10 @@ int main(int argc, char** argv) {
   auto measure = [&](const std::vector<Run>& runs) {
     std::vector<double> times;
     for (int repeat = 0; repeat < 23; ++repeat) {
-      CHECK_CUDA(cudaMemsetAsync(flush, repeat, flush_bytes, stream));
+      FlushL2Kernel<<<4 * multiprocessors, 256, 0, stream>>>(
+          static_cast<const uint4*>(flush), static_cast<int64_t>(flush_bytes / sizeof(uint4)),
+          reinterpret_cast<uint32_t*>(sink));
+      CHECK_CUDA(cudaGetLastError());
       CHECK_CUDA(cudaMemsetAsync(counters, 0, (kMaxSegments + 1) * sizeof(int32_t), stream));
       CHECK_CUDA(cudaEventRecord(start, stream));
       for (const Run& run : runs) {
@@ -340,8 +377,25 @@ int main(int argc, char** argv) {
         p.first = run.first;
         p.last = run.last;
         p.barriers = run.barriers;
-        PhaseStreamKernel<<<grid, kThreads, smem, stream>>>(maps[0], maps[1], maps[2], p);
-        CHECK_CUDA(cudaGetLastError());
+        p.after_previous = run.after_previous;
+        // With barriers, cooperative, so that a grid whose blocks cannot all be resident fails to
+        // launch rather than hangs in a barrier; programmatic where the run asks for it.
+        cudaLaunchAttribute attributes[1] = {};
+        if (run.barriers) {
+          attributes[0].id = cudaLaunchAttributeCooperative;
+          attributes[0].val.cooperative = 1;
+        } else {
+          attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attributes[0].val.programmaticStreamSerializationAllowed = 1;
+        }
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(static_cast<unsigned>(grid));
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = static_cast<size_t>(smem);
+        config.stream = stream;
+        config.attrs = attributes;
+        config.numAttrs = run.barriers || run.after_previous ? 1 : 0;
+        CHECK_CUDA(cudaLaunchKernelEx(&config, PhaseStreamKernel, maps[0], maps[1], maps[2], p));
       }
       CHECK_CUDA(cudaEventRecord(stop, stream));
       CHECK_CUDA(cudaEventSynchronize(stop));
@@ -366,11 +420,14 @@ int main(int argc, char** argv) {
     table += line;
   };
   for (int s = 0; s < kMaxSegments; ++s) {
-    row(std::string(names[s]) + " alone", bytes[s], measure({{s, s + 1, false}}));
+    row(std::string(names[s]) + " alone", bytes[s], measure({{s, s + 1, false, false}}));
   }
-  row("launch per product", all_bytes, measure({{0, 1, false}, {1, 2, false}, {2, 3, false}}));
-  row("one kernel, barriers", all_bytes, measure({{0, 3, true}}));
-  row("one kernel, free", all_bytes, measure({{0, 3, false}}));
+  row("launch per product", all_bytes,
+      measure({{0, 1, false, false}, {1, 2, false, false}, {2, 3, false, false}}));
+  row("launch per product, programmatic", all_bytes,
+      measure({{0, 1, false, false}, {1, 2, false, true}, {2, 3, false, true}}));
+  row("one kernel, barriers", all_bytes, measure({{0, 3, true, false}}));
+  row("one kernel, free", all_bytes, measure({{0, 3, false, false}}));
   std::fputs(table.c_str(), stdout);
   std::ofstream(out_dir + "/phase_stream_probe.md") << table;
   return 0;
