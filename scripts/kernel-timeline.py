@@ -5,13 +5,16 @@ On the GPU machine:
   CUDA_INJECTION64_PATH=$PWD/.gpu-bundle/lib/libcupti_trace.so TREEVERIFY_TRACE=trace.tsv \\
     .gpu-bundle/bin/rank_step_bench --layers 4 --sharding split --contexts 46080 --trees 16 --iters 3
 Here:
-  scripts/kernel-timeline.py trace.tsv [--layers 4]
+  scripts/kernel-timeline.py trace.tsv [--layers 4] [--order]
 
 The last step starts at the last embedding launch and runs to the end of the trace (the bench's
 last measured step, replayed from its CUDA graph). Kernels are grouped by a short name (the
 demangled template name without its arguments, or cuBLASLt's kernel name); per group: launches,
 total, median and range of one launch, and the total per layer when --layers is given. The
-median over launches is the figure bench/NOTES.md quotes for a kernel's time.
+median over launches is the figure bench/NOTES.md quotes for a kernel's time. --order also lists
+the step's kernels by start time: the offset from the step's first, the duration, and the gap
+since the latest end before it (negative where kernels overlap: the side stream, programmatic
+dependents), which is how the critical path of a layer is read.
 """
 import argparse
 import re
@@ -50,6 +53,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--layers", type=int, default=0)
+    parser.add_argument("--order", action="store_true",
+                        help="also list the step's kernels by start time")
     args = parser.parse_args()
     kernels = []
     with open(args.trace) as f:
@@ -76,6 +81,14 @@ def main():
         if args.layers:
             row += f" | {total / args.layers:.1f}"
         print(row + " |")
+    if args.order:
+        ordered = sorted(step)
+        first = latest = ordered[0][0]
+        print("\n| # | start us | us | gap us | kernel |\n|---|---|---|---|---|")
+        for i, (begin, end, name) in enumerate(ordered):
+            print(f"| {i} | {(begin - first) / 1e3:.1f} | {(end - begin) / 1e3:.1f} | "
+                  f"{(begin - latest) / 1e3:.1f} | `{short_name(name)}` |")
+            latest = max(latest, end)
 
 
 if __name__ == "__main__":

@@ -1036,12 +1036,13 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
   absl::Status experts = absl::OkStatus();
   cudaEvent_t shared_ready = nullptr;  // none where the shared expert ran on stream_ itself
   if (shared && side_ != nullptr && shared_done.ok() && routed.ok()) {
-    absl::StatusOr<cudaEvent_t> marked = side_->Mark();
-    if (marked.ok()) shared_ready = *marked;
-    experts = marked.status();
+    absl::StatusOr<cudaEvent_t> ready = side_->ReadyEvent();
+    if (ready.ok()) shared_ready = *ready;
+    experts = ready.status();
   }
-  if (shared_done.ok() && routed.ok() && experts.ok())
+  if (shared_done.ok() && routed.ok() && experts.ok()) {
     experts = RoutedExperts(moe, rows, active_count, shared_ready);
+  }
   const absl::Status joined = shared ? JoinSide() : absl::OkStatus();
   TV_RETURN_IF_ERROR(shared_done);
   TV_RETURN_IF_ERROR(routed);

@@ -38,7 +38,7 @@ absl::Status SideStream::Join(cudaStream_t main) {
                                    "SideStream::Join: cudaStreamWaitEvent");
 }
 
-absl::StatusOr<cudaEvent_t> SideStream::Mark() {
+absl::StatusOr<cudaEvent_t> SideStream::ReadyEvent() {
   TV_CUDA_RETURN_IF_ERROR(cudaEventRecord(join_, stream_));
   return join_;
 }

@@ -35,9 +35,9 @@ class SideStream {
   absl::Status Join(cudaStream_t main);
   // An event that completes with what stream() has enqueued so far, for work on another stream
   // that reads the side work's output to wait on (cudaStreamWaitEvent) just before it reads, so
-  // that the work before it need not wait. Valid until the next Mark or Join; Join must still
-  // follow (it is what ends the side branch of a capture on every path).
-  absl::StatusOr<cudaEvent_t> Mark();
+  // that the work before it need not wait. Valid until the next ReadyEvent or Join; Join must
+  // still follow (it is what ends the side branch of a capture on every path).
+  absl::StatusOr<cudaEvent_t> ReadyEvent();
   // Waits for the side stream's work (a failed step's leftovers, before buffers are freed).
   absl::Status Synchronize();
 
