@@ -2,6 +2,8 @@
 // The question the persistent-phase design must answer first (docs/gpu-worker-plan.md,
 // "Persistent phases", step (a)): step 92 streamed one matrix per launch at 1.7 TB/s and lost to
 // cuBLASLt; the design bets that the ramp and the tail are paid per kernel, not per matrix.
+// Answered in run 202 (bench/NOTES.md, step 105): one kernel with barriers saves 1 us over
+// programmatic launches and streams the 50 MB at 1.9 TB/s; the bet does not hold at these sizes.
 //
 // The products are a TP8 rank of Kimi-K2's query path and output at 16 token rows, bf16:
 // [q_a; kv_a] 2112 x 7168 (30 MB), q_b 1536 x 1536 (4.7 MB), o_proj 7168 x 1024 (14.7 MB). Each
