@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "grid_dependency.cuh"
+#include "l2_flush.cuh"
 #include "mma_sync_primitives.cuh"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
@@ -254,18 +255,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-// Reads `words` (a stride over the grid) so that the L2 holds only clean lines of this buffer: a
-// memset's dirty lines would be written back inside the timed window, as the weights evict them.
-__global__ void FlushL2Kernel(const uint4* words, int64_t count, uint32_t* sink) {
-  uint32_t x = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 w = words[i];
-    x ^= w.x ^ w.y ^ w.z ^ w.w;
-  }
-  if (x == 0x9e3779b9u) *sink = x;  // keeps the loads; practically never taken
-}
-
 void Check(bool ok, const char* what, int line, const char* detail) {
   if (ok) return;
   std::fprintf(stderr, "phase_stream_probe.cu:%d %s: %s\n", line, what, detail);
@@ -340,16 +329,14 @@ int main(int argc, char** argv) {
   __nv_bfloat16* x = nullptr;
   float* sink = nullptr;
   int32_t* counters = nullptr;  // kMaxSegments claims, then the arrivals
-  void* flush = nullptr;
-  const size_t flush_bytes = size_t{256} << 20;
   CHECK_CUDA(cudaMalloc(&x, size_t{kTokens} * 7168 * sizeof(__nv_bfloat16)));
   CHECK_CUDA(cudaMemset(x, 0x3c, size_t{kTokens} * 7168 * sizeof(__nv_bfloat16)));
   const size_t sink_bytes = static_cast<size_t>(grid) * kThreads * sizeof(float);
   CHECK_CUDA(cudaMalloc(&sink, sink_bytes));
   CHECK_CUDA(cudaMemset(sink, 0, sink_bytes));
   CHECK_CUDA(cudaMalloc(&counters, (kMaxSegments + 1) * sizeof(int32_t)));
-  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
-  CHECK_CUDA(cudaMemset(flush, 1, flush_bytes));
+  const treeverify::bench::L2Flusher flusher;
+  Check(flusher.ok(), "L2Flusher", __LINE__, "no memory for the flush buffer");
   params.x = x;
   params.x_stride = 7168;
   params.sink = sink;
@@ -368,9 +355,7 @@ int main(int argc, char** argv) {
   auto measure = [&](const std::vector<Run>& runs) {
     std::vector<double> times;
     for (int repeat = 0; repeat < 23; ++repeat) {
-      FlushL2Kernel<<<4 * multiprocessors, 256, 0, stream>>>(
-          static_cast<const uint4*>(flush), static_cast<int64_t>(flush_bytes / sizeof(uint4)),
-          reinterpret_cast<uint32_t*>(sink));
+      flusher.Flush(stream);
       CHECK_CUDA(cudaGetLastError());
       CHECK_CUDA(cudaMemsetAsync(counters, 0, (kMaxSegments + 1) * sizeof(int32_t), stream));
       CHECK_CUDA(cudaEventRecord(start, stream));
