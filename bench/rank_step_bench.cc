@@ -17,7 +17,7 @@
 //
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
-//                   [--prefill 4096,46080 [--prefill-chunk 8192]]
+//                   [--prefill 4096,46080 [--prefill-chunk 8192]] [--dense resident|cublas]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -59,6 +59,7 @@ struct Args {
   std::string json;
   std::vector<int64_t> prefill;  // prompt lengths; empty: verify steps
   int64_t prefill_chunk = kMaxChainRows;
+  bool resident_products = true;  // --dense cublas: every dense product through cuBLASLt
 };
 
 ModelConfig KimiK2(int layers) {
@@ -346,7 +347,8 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
   SoloCommunicator solo;
   TV_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaForward> forward,
-      CudaForward::Create(std::move(weights), *kv, &solo, device, stream, {.account_steps = true}));
+      CudaForward::Create(std::move(weights), *kv, &solo, device, stream,
+                          {.account_steps = true, .resident_products = args.resident_products}));
 
   if (!args.prefill.empty()) {
     TV_RETURN_IF_ERROR(RunPrefill(args, config, plan, sharding_name, *forward, stream, results));
@@ -469,6 +471,11 @@ absl::Status Main(int argc, char** argv) {
       }
     } else if (flag == "--json") {
       args.json = value;
+    } else if (flag == "--dense") {
+      if (value != "resident" && value != "cublas") {
+        return absl::InvalidArgumentError(absl::StrCat("--dense resident or cublas; got ", value));
+      }
+      args.resident_products = value == "resident";
     } else if (flag == "--sharding") {
       args.shardings.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {

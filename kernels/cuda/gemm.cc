@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "treeverify/kernels/cuda/cublas_status.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cuda {
@@ -52,10 +53,20 @@ absl::Status SetBatch(cublasLtMatrixLayout_t layout, int32_t batch, int64_t stri
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace_bytes) {
+absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace_bytes,
+                                                                bool resident_products) {
   if (workspace_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("GemmRunner: workspace_bytes must be >= 0, got ", workspace_bytes));
+  }
+  int device = 0, device_major = 0, multiprocessors = 0;
+  if (resident_products) {
+    TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&device_major, cudaDevAttrComputeCapabilityMajor, device));
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    if (device_major >= 9) TV_RETURN_IF_ERROR(PrepareResidentGemm());
   }
   void* workspace = nullptr;
   if (workspace_bytes > 0) {
@@ -67,11 +78,17 @@ absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace
     cudaFree(workspace);
     return status;
   }
-  return std::unique_ptr<GemmRunner>(new GemmRunner(handle, workspace, workspace_bytes));
+  return std::unique_ptr<GemmRunner>(
+      new GemmRunner(handle, workspace, workspace_bytes, device_major, multiprocessors));
 }
 
-GemmRunner::GemmRunner(void* handle, void* workspace, int64_t workspace_bytes)
-    : handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes) {}
+GemmRunner::GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
+                       int multiprocessors)
+    : handle_(handle),
+      workspace_(workspace),
+      workspace_bytes_(workspace_bytes),
+      device_major_(device_major),
+      multiprocessors_(multiprocessors) {}
 
 GemmRunner::~GemmRunner() {
   plans_.clear();
@@ -108,6 +125,10 @@ absl::Status GemmRunner::RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& p, cuda
   if (p.m == 0) return absl::OkStatus();
   if (p.x == nullptr || p.weight == nullptr || p.y == nullptr) {
     return absl::InvalidArgumentError("cuda::Gemm: x, weight and y must be non-null");
+  }
+  if (const ResidentGemmPlan resident = PlanResidentGemm(p, device_major_, multiprocessors_);
+      resident.blocks > 0) {
+    return ResidentGemm(p, resident, stream);
   }
   constexpr bool kFloatOutput = std::is_same_v<Output, float>;
   const ShapeKey key{p.m,

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "element_convert.cuh"
+#include "grid_dependency.cuh"
 
 namespace treeverify::kernels::cuda {
 
@@ -25,6 +26,9 @@ __global__ void RmsNormKernel(const Input* input, const Input* add, Input* sum,
                               int64_t input_stride, int64_t output_stride, float eps,
                               uint64_t* start_stamp) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024);
+  // A programmatic dependent (a resident product's weight loads, resident_gemm.h) may start now;
+  // it waits for this kernel before it reads the output.
+  AllowDependentGridLaunch();
   if (start_stamp != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     uint64_t now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));

@@ -85,6 +85,17 @@ __device__ inline void TmaLoad2d(void* smem_dst, const CUtensorMap* map, int32_t
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory
+// with the bulk copy engine; the mbarrier counts the bytes as they land.
+__device__ inline void BulkLoad(void* smem_dst, const void* global_src, uint32_t bytes,
+                                uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddress(smem_dst)),
+      "l"(global_src), "r"(bytes), "r"(SmemAddress(bar))
+      : "memory");
+}
+
 // L2 eviction policies (createpolicy) for the cache-hinted loads and stores below.
 __device__ inline uint64_t L2EvictFirstPolicy() {
   uint64_t policy;

@@ -104,7 +104,9 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
                                                    " layers of weights for a model of ",
                                                    c.num_hidden_layers));
   }
-  TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm, cuda::GemmRunner::Create());
+  constexpr int64_t kGemmWorkspaceBytes = 32 << 20;
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<cuda::GemmRunner> gemm,
+                      cuda::GemmRunner::Create(kGemmWorkspaceBytes, options.resident_products));
   // The side branch's GEMMs run beside the main stream's: their own handle and workspace. Not
   // over NCCL yet: repeated two-GPU tests hung once in a few runs with it (bench/NOTES.md, step
   // 95), not yet told apart from a hang of the one-stream code; until then ranks over NCCL run
@@ -112,7 +114,8 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
   std::unique_ptr<cuda::GemmRunner> side_gemm;
   std::unique_ptr<SideStream> side;
   if (communicator->world_size() == 1 || communicator->device_collectives() == nullptr) {
-    TV_ASSIGN_OR_RETURN(side_gemm, cuda::GemmRunner::Create());
+    TV_ASSIGN_OR_RETURN(side_gemm,
+                        cuda::GemmRunner::Create(kGemmWorkspaceBytes, options.resident_products));
     TV_ASSIGN_OR_RETURN(side, SideStream::Create());
   }
   // Everything that can fail comes before the backend exists: it owns the stream from then on,

@@ -22,6 +22,7 @@
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
 
@@ -407,15 +408,70 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
   const unsigned seed = 507;
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
+  // Every case through a runner that routes the products ResidentGemm takes to it, and through
+  // one that runs them all on cuBLASLt.
   absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create();
   ASSERT_TRUE(gemm.ok()) << gemm.status();
-  for (const GemmCase& c :
-       {GemmCase{1, 1536, 7168, 1}, GemmCase{3, 19, 733, 1}, GemmCase{16, 576, 512, 1},
-        GemmCase{9, 512, 128, 8}, GemmCase{19, 128, 512, 3}}) {
-    CheckGemm<float>(**gemm, c, rng);
-    CheckGemm<Bf16>(**gemm, c, rng);
+  absl::StatusOr<std::unique_ptr<GemmRunner>> cublas =
+      GemmRunner::Create(32 << 20, /*resident_products=*/false);
+  ASSERT_TRUE(cublas.ok()) << cublas.status();
+  const std::vector<GemmCase> cases = {
+      {1, 1536, 7168, 1}, {3, 19, 733, 1},   {16, 576, 512, 1},   {9, 512, 128, 8},
+      {19, 128, 512, 3},  {1, 48, 64, 1},    {16, 3200, 64, 1},   {13, 1024, 1536, 1},
+      {16, 7168, 1024, 1}, {16, 128, 512, 8}, {5, 512, 128, 8}};
+  for (const GemmCase& c : cases) {
+    for (GemmRunner* runner : {gemm->get(), cublas->get()}) {
+      CheckGemm<float>(*runner, c, rng);
+      CheckGemm<Bf16>(*runner, c, rng);
+    }
   }
-  EXPECT_EQ((*gemm)->planned_shapes(), 10);
+  EXPECT_EQ((*cublas)->planned_shapes(), static_cast<int64_t>(2 * cases.size()));
+  // On sm_90 the resident kernel took the eight cases of at most 16 rows with k a multiple of 64
+  // that fit in shared memory: cuBLASLt planned only the other three.
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  if (major >= 9) {
+    EXPECT_EQ((*gemm)->planned_shapes(), 2 * 3);
+  }
+}
+
+// How ResidentGemm lays the verify step's products over an H200's 132 multiprocessors, and which
+// it leaves to cuBLASLt.
+TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  if (major < 9) GTEST_SKIP() << "ResidentGemm needs sm_90 or later";
+  alignas(16) static Bf16 x[16], w[16];  // never read: planning looks at shapes and alignment
+  auto plan = [&](int64_t m, int64_t n, int64_t k, int64_t batch = 1) {
+    return PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x,
+                                                             .weight = w,
+                                                             .m = m,
+                                                             .n = n,
+                                                             .k = k,
+                                                             .batch = batch,
+                                                             .x_batch_stride = k,
+                                                             .weight_batch_stride = n * k,
+                                                             .y_batch_stride = n},
+                            major, 132);
+  };
+  auto shape = [](const ResidentGemmPlan& p) {
+    return std::vector<int64_t>{p.blocks, p.tiles_per_block, p.slices};
+  };
+  EXPECT_EQ(shape(plan(16, 7168, 1024)), (std::vector<int64_t>{112, 4, 2}));  // o_proj
+  EXPECT_EQ(shape(plan(16, 1536, 1536)), (std::vector<int64_t>{96, 1, 8}));   // q_b
+  EXPECT_EQ(shape(plan(1, 1536, 1536)), (std::vector<int64_t>{96, 1, 8}));
+  EXPECT_EQ(shape(plan(16, 512, 128, 8)), (std::vector<int64_t>{128, 2, 4}));  // W_UK
+  EXPECT_EQ(shape(plan(16, 128, 512, 8)), (std::vector<int64_t>{64, 1, 8}));   // W_UV
+  EXPECT_EQ(plan(16, 1536, 7168).blocks, 0);   // q_a: a tile and the input exceed shared memory
+  EXPECT_EQ(plan(16, 20480, 1024).blocks, 0);  // more tiles than 8 a multiprocessor
+  EXPECT_EQ(plan(17, 1536, 1536).blocks, 0);   // more than 16 rows
+  EXPECT_EQ(plan(16, 1536, 96).blocks, 0);     // k not a multiple of 64
+  EXPECT_EQ(plan(16, 24, 64).blocks, 0);       // n not a multiple of 16
+  EXPECT_EQ(PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16,
+                                                              .n = 64, .k = 64},
+                             /*device_major=*/8, 132)
+                .blocks,
+            0);
 }
 
 struct RoutingCase {

@@ -53,6 +53,9 @@ struct CudaForwardOptions {
   // Replay each step shape's device work from a CUDA graph (captured on the shape's second step;
   // see docs/gpu-worker.md for what is and is not captured).
   bool graphs = true;
+  // Dense products of at most 16 rows through ResidentGemm where it takes them (its weights
+  // loaded while the kernel before it runs; resident_gemm.h), else all through cuBLASLt.
+  bool resident_products = true;
   absl::Status Validate() const;
 };
 

@@ -5,7 +5,9 @@
 // The algorithm for a shape (m, n, k, strides, batch, output type, pointer alignments) is chosen
 // once, by cuBLASLt's heuristic, and kept: every later call of that shape, eager or captured in
 // a CUDA graph, runs the same algorithm, so a graph replays the bytes an eager launch computes.
-// cuBLASLt's split-K reductions go through the workspace, never atomics.
+// cuBLASLt's split-K reductions go through the workspace, never atomics. Products of at most 16
+// rows that resident_gemm.h takes run there instead (a programmatic dependent that loads its
+// weights before its input exists), unless the runner was created without it.
 //
 //   TV_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemm, GemmRunner::Create());
 //   TV_RETURN_IF_ERROR(gemm->Run({.x = x, .weight = w, .y = y, .m = 16, .n = 1536, .k = 7168},
@@ -30,7 +32,9 @@ class GemmRunner {
  public:
   // Allocates the workspace on the current device. Every Run uses it, so Runs on different
   // streams must be ordered (the forward's side stream has a runner of its own).
-  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(int64_t workspace_bytes = 32 << 20);
+  // `resident_products`: route the products ResidentGemm takes to it (on the current device).
+  static absl::StatusOr<std::unique_ptr<GemmRunner>> Create(int64_t workspace_bytes = 32 << 20,
+                                                            bool resident_products = true);
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
@@ -46,7 +50,8 @@ class GemmRunner {
   // m, n, k, x/weight/y strides, batch, batch strides, fp32 output, x/weight/y alignment.
   using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, bool, int, int, int>;
-  GemmRunner(void* handle, void* workspace, int64_t workspace_bytes);
+  GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
+             int multiprocessors);
   template <typename Output>
   absl::Status RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& params, cudaStream_t stream);
   absl::StatusOr<const Plan*> PlanFor(const ShapeKey& key);
@@ -54,6 +59,9 @@ class GemmRunner {
   void* handle_;  // cublasLtHandle_t, kept opaque so this header needs no cuBLAS include
   void* workspace_;
   int64_t workspace_bytes_;
+  // The current device's at creation, for ResidentGemm's plans; major 0: resident products off.
+  int device_major_;
+  int multiprocessors_;
   mutable std::mutex mutex_;
   std::map<ShapeKey, std::unique_ptr<Plan>> plans_;
 };

@@ -1,0 +1,237 @@
+#include "treeverify/kernels/cuda/resident_gemm.h"
+
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "grid_dependency.cuh"
+#include "mma_sync_primitives.cuh"
+#include "programmatic_launch.h"
+#include "sm90_primitives.cuh"
+#include "treeverify/kernels/cuda/cuda_status.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileRows = 16;  // weight rows of a tile: one mma's M
+constexpr int kMaxTilesPerBlock = kWarps;
+// Shared memory a block may have on sm_90 (227 KB), all of it dynamic.
+constexpr int64_t kMaxSmemBytes = 227 * 1024;
+
+// A row's bytes in shared memory: 16 more than the row's, so that ldmatrix's eight row addresses
+// fall in eight different 16-byte bank groups.
+__host__ __device__ constexpr int64_t PitchBytes(int64_t k) { return 2 * k + 16; }
+
+// Weight tiles, the 16 input rows, the slices' partial sums (256 floats a warp), the mbarrier.
+constexpr int64_t SmemBytes(int64_t k, int64_t tiles_per_block) {
+  return (tiles_per_block * kTileRows + kResidentGemmMaxRows) * PitchBytes(k) +
+         kWarps * 256 * int64_t{sizeof(float)} + 16;
+}
+
+template <typename Output>
+struct Args {
+  const Bf16* x;
+  const Bf16* weight;
+  Output* y;
+  int32_t m, k;
+  int64_t x_stride, w_stride, y_stride;
+  int64_t x_batch_stride, w_batch_stride, y_batch_stride;
+  int32_t tiles_per_batch;  // n / 16
+  int32_t tiles;            // batch * tiles_per_batch
+  int32_t tiles_per_block;  // divides tiles_per_batch: a block's tiles share one input
+  int32_t slices;           // a tile's reduction parts, one warp each
+};
+
+template <typename Output>
+__device__ Output FromFloat(float v) {
+  if constexpr (std::is_same_v<Output, float>) {
+    return v;
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+
+template <typename Output>
+__global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int64_t pitch = PitchBytes(a.k);
+  uint8_t* weights = smem;                                            // [tiles * 16][pitch]
+  uint8_t* inputs = weights + a.tiles_per_block * kTileRows * pitch;  // [16][pitch]
+  float* partial = reinterpret_cast<float*>(inputs + kResidentGemmMaxRows * pitch);
+  uint64_t* loaded = reinterpret_cast<uint64_t*>(partial + kWarps * 256);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  const int32_t first_tile = blockIdx.x * a.tiles_per_block;
+  const int32_t tiles = min(a.tiles_per_block, a.tiles - first_tile);
+  const int32_t batch = first_tile / a.tiles_per_batch;
+  const int32_t row0 = (first_tile % a.tiles_per_batch) * kTileRows;  // the block's first n
+  const Bf16* w = a.weight + batch * a.w_batch_stride + row0 * a.w_stride;
+
+  // The weight rows depend on nothing: out before the wait, one bulk copy a row, all counted on
+  // one mbarrier. The next kernel may take its place now (it waits for this one itself).
+  if (threadIdx.x == 0) {
+    sm90::MbarrierInit(loaded, 1);
+    sm90::FenceBarrierInit();
+  }
+  __syncthreads();
+  AllowDependentGridLaunch();
+  if (warp == 0) {
+    const uint32_t row_bytes = static_cast<uint32_t>(2 * a.k);
+    if (lane == 0) sm90::MbarrierArriveExpectTx(loaded, tiles * kTileRows * row_bytes);
+    __syncwarp();
+    for (int r = lane; r < tiles * kTileRows; r += 32) {
+      sm90::BulkLoad(weights + r * pitch, w + r * a.w_stride, row_bytes, loaded);
+    }
+  }
+
+  // The input rows (the predecessor's output): zeroes past m.
+  WaitForPredecessorGrid();
+  const Bf16* x = a.x + batch * a.x_batch_stride;
+  const int32_t chunks = a.k / 8;  // 16-byte pieces of a row
+  for (int32_t i = threadIdx.x; i < kResidentGemmMaxRows * chunks; i += kThreads) {
+    const int32_t row = i / chunks, chunk = i % chunks;
+    const bool valid = row < a.m;
+    mma::CpAsync16(inputs + row * pitch + chunk * 16,
+                   x + (valid ? row : 0) * a.x_stride + chunk * 8, valid);
+  }
+  mma::CpAsyncCommit();
+  mma::CpAsyncWait<0>();
+  __syncthreads();
+  sm90::MbarrierWait(loaded, 0);
+
+  // Warp w: tile w / slices, reduction part w % slices; both 8-token halves of the input.
+  const int32_t tile = warp / a.slices, slice = warp % a.slices;
+  if (tile < tiles) {
+    const int32_t span = a.k / a.slices;  // a multiple of 32
+    const uint8_t* tile_rows = weights + tile * kTileRows * pitch;
+    const int a_row = lane % 8 + (lane / 8 % 2) * 8;
+    float acc[2][4] = {};
+    for (int32_t k0 = slice * span; k0 < (slice + 1) * span; k0 += 32) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma::LoadMatrices4(af[h], tile_rows + a_row * pitch + 2 * (k0 + 16 * h + 8 * (lane / 16)));
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t b[4];
+        mma::LoadMatrices4(b, inputs + (8 * half + lane % 8) * pitch + 2 * (k0 + 8 * (lane / 8)));
+        mma::MmaBf16(acc[half], af[0], b[0], b[1]);
+        mma::MmaBf16(acc[half], af[1], b[2], b[3]);
+      }
+    }
+    float* mine = partial + warp * 256;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mine[(4 * half + j) * 32 + lane] = acc[half][j];
+    }
+  }
+  __syncthreads();
+
+  // The slices added in order; value v of a tile is accumulator j of lane l for input half h
+  // (v = (4h + j) * 32 + l): weight row l / 4 (+ 8 for j >= 2), input row 8h + 2(l % 4) + j % 2.
+  Output* y = a.y + batch * a.y_batch_stride + row0;
+  for (int32_t v = threadIdx.x; v < tiles * 256; v += kThreads) {
+    const int32_t t = v / 256, index = v % 256;
+    const int32_t half = index / 128, j = index / 32 % 4, l = index % 32;
+    const int32_t input_row = 8 * half + 2 * (l % 4) + j % 2;
+    if (input_row >= a.m) continue;
+    float sum = 0.0f;
+    for (int32_t s = 0; s < a.slices; ++s) sum += partial[(t * a.slices + s) * 256 + index];
+    const int32_t n = t * kTileRows + l / 4 + 8 * (j / 2);
+    y[input_row * a.y_stride + n] = FromFloat<Output>(sum);
+  }
+#else
+  __trap();
+#endif
+}
+
+bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+template <typename Output>
+absl::Status Launch(const GemmParamsOf<Bf16, Bf16, Output>& p, const ResidentGemmPlan& plan,
+                    cudaStream_t stream) {
+  const Args<Output> args{.x = p.x,
+                          .weight = p.weight,
+                          .y = p.y,
+                          .m = static_cast<int32_t>(p.m),
+                          .k = static_cast<int32_t>(p.k),
+                          .x_stride = p.x_stride ? p.x_stride : p.k,
+                          .w_stride = p.weight_stride ? p.weight_stride : p.k,
+                          .y_stride = p.y_stride ? p.y_stride : p.n,
+                          .x_batch_stride = p.batch > 1 ? p.x_batch_stride : 0,
+                          .w_batch_stride = p.batch > 1 ? p.weight_batch_stride : 0,
+                          .y_batch_stride = p.batch > 1 ? p.y_batch_stride : 0,
+                          .tiles_per_batch = static_cast<int32_t>(p.n / kTileRows),
+                          .tiles = static_cast<int32_t>(p.batch * (p.n / kTileRows)),
+                          .tiles_per_block = plan.tiles_per_block,
+                          .slices = plan.slices};
+  return LaunchKernel(ResidentGemmKernel<Output>, dim3(static_cast<unsigned>(plan.blocks)),
+                      dim3(kThreads), plan.smem_bytes, stream, /*overlap=*/true,
+                      "ResidentGemmKernel launch", args);
+}
+
+}  // namespace
+
+template <typename Output>
+ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
+                                  int multiprocessors) {
+  const int64_t x_stride = p.x_stride ? p.x_stride : p.k;
+  const int64_t w_stride = p.weight_stride ? p.weight_stride : p.k;
+  const bool batched = p.batch > 1;
+  if (device_major < 9) return {};
+  // The kernel image must be sm_90's (its waits compiled in), whatever the device says.
+  static const bool kernel_waits = WaitsForPredecessor(ResidentGemmKernel<Output>);
+  if (!kernel_waits || p.m < 1 || p.m > kResidentGemmMaxRows ||
+      p.n % kTileRows != 0 || p.k % 64 != 0 || p.batch < 1 || !Aligned16(p.x) ||
+      !Aligned16(p.weight) || (2 * x_stride) % 16 != 0 || (2 * w_stride) % 16 != 0 ||
+      (batched && ((2 * p.x_batch_stride) % 16 != 0 || (2 * p.weight_batch_stride) % 16 != 0))) {
+    return {};
+  }
+  const int64_t tiles_per_batch = p.n / kTileRows;
+  const int64_t tiles = p.batch * tiles_per_batch;
+  // The fewest tiles a block (most blocks) that one wave holds, within shared memory.
+  for (int32_t per_block = 1; per_block <= kMaxTilesPerBlock; per_block *= 2) {
+    const int64_t blocks = (tiles + per_block - 1) / per_block;
+    const int64_t smem = SmemBytes(p.k, per_block);
+    if (tiles_per_batch % per_block != 0 || blocks > multiprocessors || smem > kMaxSmemBytes) {
+      continue;
+    }
+    int32_t slices = kWarps / per_block;
+    while (slices > 1 && (p.k % (32 * slices) != 0)) slices /= 2;
+    return {.blocks = static_cast<int32_t>(blocks),
+            .tiles_per_block = per_block,
+            .slices = slices,
+            .smem_bytes = smem};
+  }
+  return {};
+}
+
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&, int, int);
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, float>&, int, int);
+
+absl::Status PrepareResidentGemm() {
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ResidentGemmKernel<Bf16>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kMaxSmemBytes)));
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ResidentGemmKernel<float>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kMaxSmemBytes)));
+  return absl::OkStatus();
+}
+
+absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,
+                          cudaStream_t stream) {
+  return Launch(p, plan, stream);
+}
+
+absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, float>& p, const ResidentGemmPlan& plan,
+                          cudaStream_t stream) {
+  return Launch(p, plan, stream);
+}
+
+}  // namespace treeverify::kernels::cuda

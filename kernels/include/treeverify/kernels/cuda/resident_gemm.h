@@ -1,0 +1,52 @@
+// Dense products of a verify step's few token rows whose weights are in shared memory before the
+// product's input exists. A product of a handful of rows against a 1-15 MB weight is a short,
+// latency-bound DRAM stream: cuBLASLt takes 3-7 us for what the bandwidth moves in 1-3 (run 203's
+// timeline). Its weights depend on nothing, so this kernel, launched as its predecessor's
+// programmatic dependent, loads its blocks' weight rows (bulk copies into shared memory) while
+// the predecessor still runs, then waits for it, reads the input rows from the L2 and multiplies
+// on the tensor cores (bench/NOTES.md, step 111).
+//
+// Each block owns 16-row tiles of one product of the batch with the whole reduction: no split-K
+// partials leave the block, and a tile's slices are added in one order, so the bytes do not
+// depend on scheduling. GemmRunner routes the products it takes here (gemm.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/gemm.h"
+
+namespace treeverify::kernels::cuda {
+
+inline constexpr int64_t kResidentGemmMaxRows = 16;
+
+// How a product is laid out over blocks: tiles_per_block 16-row tiles of one batch element each,
+// every tile's reduction in `slices` parts over the block's warps.
+struct ResidentGemmPlan {
+  int32_t blocks = 0;
+  int32_t tiles_per_block = 0;
+  int32_t slices = 0;
+  int64_t smem_bytes = 0;
+};
+
+// The plan when the kernel takes the product, else nullopt-like: blocks == 0. It takes products
+// of 1..16 rows with n a multiple of 16 and k of 64, 16-byte aligned weight and input rows, on a
+// device of compute capability 9.0 or later with `multiprocessors` SMs, whose blocks' weight
+// rows and input fit in shared memory, in at most one block per multiprocessor.
+template <typename Output>
+ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
+                                  int multiprocessors);
+
+// Sets the kernels' shared-memory limit on the current device (once, before the first launch).
+absl::Status PrepareResidentGemm();
+
+// Launches the planned product on `stream` as a programmatic dependent of the kernel before it.
+absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,
+                          cudaStream_t stream);
+absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, float>& p, const ResidentGemmPlan& plan,
+                          cudaStream_t stream);
+
+}  // namespace treeverify::kernels::cuda
