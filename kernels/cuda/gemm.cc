@@ -54,7 +54,7 @@ absl::Status SetBatch(cublasLtMatrixLayout_t layout, int32_t batch, int64_t stri
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace_bytes,
-                                                                bool resident_products) {
+                                                               bool resident_products) {
   if (workspace_bytes < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("GemmRunner: workspace_bytes must be >= 0, got ", workspace_bytes));

@@ -1,5 +1,3 @@
-#include "treeverify/kernels/cuda/resident_gemm.h"
-
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -9,6 +7,7 @@
 #include "programmatic_launch.h"
 #include "sm90_primitives.cuh"
 #include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/resident_gemm.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -186,9 +185,9 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int
   if (device_major < 9) return {};
   // The kernel image must be sm_90's (its waits compiled in), whatever the device says.
   static const bool kernel_waits = WaitsForPredecessor(ResidentGemmKernel<Output>);
-  if (!kernel_waits || p.m < 1 || p.m > kResidentGemmMaxRows ||
-      p.n % kTileRows != 0 || p.k % 64 != 0 || p.batch < 1 || !Aligned16(p.x) ||
-      !Aligned16(p.weight) || (2 * x_stride) % 16 != 0 || (2 * w_stride) % 16 != 0 ||
+  if (!kernel_waits || p.m < 1 || p.m > kResidentGemmMaxRows || p.n % kTileRows != 0 ||
+      p.k % 64 != 0 || p.batch < 1 || !Aligned16(p.x) || !Aligned16(p.weight) ||
+      (2 * x_stride) % 16 != 0 || (2 * w_stride) % 16 != 0 ||
       (batched && ((2 * p.x_batch_stride) % 16 != 0 || (2 * p.weight_batch_stride) % 16 != 0))) {
     return {};
   }

@@ -415,10 +415,10 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
   absl::StatusOr<std::unique_ptr<GemmRunner>> cublas =
       GemmRunner::Create(32 << 20, /*resident_products=*/false);
   ASSERT_TRUE(cublas.ok()) << cublas.status();
-  const std::vector<GemmCase> cases = {
-      {1, 1536, 7168, 1}, {3, 19, 733, 1},   {16, 576, 512, 1},   {9, 512, 128, 8},
-      {19, 128, 512, 3},  {1, 48, 64, 1},    {16, 3200, 64, 1},   {13, 1024, 1536, 1},
-      {16, 7168, 1024, 1}, {16, 128, 512, 8}, {5, 512, 128, 8}};
+  const std::vector<GemmCase> cases = {{1, 1536, 7168, 1}, {3, 19, 733, 1},     {16, 576, 512, 1},
+                                       {9, 512, 128, 8},   {19, 128, 512, 3},   {1, 48, 64, 1},
+                                       {16, 3200, 64, 1},  {13, 1024, 1536, 1}, {16, 7168, 1024, 1},
+                                       {16, 128, 512, 8},  {5, 512, 128, 8}};
   for (const GemmCase& c : cases) {
     for (GemmRunner* runner : {gemm->get(), cublas->get()}) {
       CheckGemm<float>(*runner, c, rng);
@@ -444,14 +444,14 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
   alignas(16) static Bf16 x[16], w[16];  // never read: planning looks at shapes and alignment
   auto plan = [&](int64_t m, int64_t n, int64_t k, int64_t batch = 1) {
     return PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x,
-                                                             .weight = w,
-                                                             .m = m,
-                                                             .n = n,
-                                                             .k = k,
-                                                             .batch = batch,
-                                                             .x_batch_stride = k,
-                                                             .weight_batch_stride = n * k,
-                                                             .y_batch_stride = n},
+                                                            .weight = w,
+                                                            .m = m,
+                                                            .n = n,
+                                                            .k = k,
+                                                            .batch = batch,
+                                                            .x_batch_stride = k,
+                                                            .weight_batch_stride = n * k,
+                                                            .y_batch_stride = n},
                             major, 132);
   };
   auto shape = [](const ResidentGemmPlan& p) {
@@ -467,9 +467,9 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
   EXPECT_EQ(plan(17, 1536, 1536).blocks, 0);   // more than 16 rows
   EXPECT_EQ(plan(16, 1536, 96).blocks, 0);     // k not a multiple of 64
   EXPECT_EQ(plan(16, 24, 64).blocks, 0);       // n not a multiple of 16
-  EXPECT_EQ(PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16,
-                                                              .n = 64, .k = 64},
-                             /*device_major=*/8, 132)
+  EXPECT_EQ(PlanResidentGemm(
+                GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = 64, .k = 64},
+                /*device_major=*/8, 132)
                 .blocks,
             0);
 }
