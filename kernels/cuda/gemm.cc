@@ -66,34 +66,42 @@ absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace
         cudaDeviceGetAttribute(&device_major, cudaDevAttrComputeCapabilityMajor, device));
     TV_CUDA_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-    if (device_major >= 9) TV_RETURN_IF_ERROR(PrepareResidentGemm());
+  }
+  ResidentGemmScratch scratch;
+  if (device_major >= 9) {
+    TV_RETURN_IF_ERROR(PrepareResidentGemm());
+    TV_ASSIGN_OR_RETURN(scratch, AllocateResidentGemmScratch());
   }
   void* workspace = nullptr;
+  absl::Status status = absl::OkStatus();
   if (workspace_bytes > 0) {
-    TV_CUDA_RETURN_IF_ERROR(cudaMalloc(&workspace, static_cast<size_t>(workspace_bytes)));
+    status = CudaStatus(cudaMalloc(&workspace, static_cast<size_t>(workspace_bytes)), "cudaMalloc");
   }
   cublasLtHandle_t handle = nullptr;
-  absl::Status status = CublasStatus(cublasLtCreate(&handle), "cublasLtCreate");
+  if (status.ok()) status = CublasStatus(cublasLtCreate(&handle), "cublasLtCreate");
   if (!status.ok()) {
     cudaFree(workspace);
+    FreeResidentGemmScratch(scratch);
     return status;
   }
   return std::unique_ptr<GemmRunner>(
-      new GemmRunner(handle, workspace, workspace_bytes, device_major, multiprocessors));
+      new GemmRunner(handle, workspace, workspace_bytes, device_major, multiprocessors, scratch));
 }
 
 GemmRunner::GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
-                       int multiprocessors)
+                       int multiprocessors, ResidentGemmScratch scratch)
     : handle_(handle),
       workspace_(workspace),
       workspace_bytes_(workspace_bytes),
       device_major_(device_major),
-      multiprocessors_(multiprocessors) {}
+      multiprocessors_(multiprocessors),
+      resident_scratch_(scratch) {}
 
 GemmRunner::~GemmRunner() {
   plans_.clear();
   cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
   cudaFree(workspace_);
+  FreeResidentGemmScratch(resident_scratch_);
 }
 
 int64_t GemmRunner::planned_shapes() const {
@@ -126,9 +134,10 @@ absl::Status GemmRunner::RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& p, cuda
   if (p.x == nullptr || p.weight == nullptr || p.y == nullptr) {
     return absl::InvalidArgumentError("cuda::Gemm: x, weight and y must be non-null");
   }
-  if (const ResidentGemmPlan resident = PlanResidentGemm(p, device_major_, multiprocessors_);
+  if (const ResidentGemmPlan resident =
+          PlanResidentGemm(p, device_major_, multiprocessors_, resident_scratch_);
       resident.blocks > 0) {
-    return ResidentGemm(p, resident, stream);
+    return ResidentGemm(p, resident, resident_scratch_, stream);
   }
   constexpr bool kFloatOutput = std::is_same_v<Output, float>;
   const ShapeKey key{p.m,

@@ -16,6 +16,10 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileRows = 16;  // weight rows of a tile: one mma's M
 constexpr int kMaxTilesPerBlock = kWarps;
+constexpr int kMaxKParts = 16;
+// The scratch for split reductions: 2048 (tile, part) sums of 1 KB, 2048 tiles' counters.
+constexpr int64_t kScratchTileParts = 2048;
+constexpr int64_t kScratchTiles = 2048;
 // Shared memory a block may have on sm_90 (227 KB), all of it dynamic.
 constexpr int64_t kMaxSmemBytes = 227 * 1024;
 
@@ -23,10 +27,11 @@ constexpr int64_t kMaxSmemBytes = 227 * 1024;
 // fall in eight different 16-byte bank groups.
 __host__ __device__ constexpr int64_t PitchBytes(int64_t k) { return 2 * k + 16; }
 
-// Weight tiles, the 16 input rows, the slices' partial sums (256 floats a warp), the mbarrier.
+// Weight tiles, the 16 input rows, the slices' partial sums (256 floats a warp), the mbarrier,
+// the split reduction's last-arrival flags (all dynamic: the limit below is all a block has).
 constexpr int64_t SmemBytes(int64_t k, int64_t tiles_per_block) {
   return (tiles_per_block * kTileRows + kResidentGemmMaxRows) * PitchBytes(k) +
-         kWarps * 256 * int64_t{sizeof(float)} + 16;
+         kWarps * 256 * int64_t{sizeof(float)} + 16 + kMaxTilesPerBlock;
 }
 
 template <typename Output>
@@ -40,7 +45,10 @@ struct Args {
   int32_t tiles_per_batch;  // n / 16
   int32_t tiles;            // batch * tiles_per_batch
   int32_t tiles_per_block;  // divides tiles_per_batch: a block's tiles share one input
-  int32_t slices;           // a tile's reduction parts, one warp each
+  int32_t slices;           // a block's reduction of a tile in parts, one warp each
+  int32_t k_parts;          // the reduction split over blocks (1: a block has all of k)
+  float* part_sums;         // [tiles][k_parts][256] when k_parts > 1 (ResidentGemmScratch)
+  uint32_t* arrivals;       // [tiles], zero between launches
 };
 
 template <typename Output>
@@ -56,18 +64,22 @@ template <typename Output>
 __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
-  const int64_t pitch = PitchBytes(a.k);
+  const int64_t pitch = PitchBytes(a.k / a.k_parts);
   uint8_t* weights = smem;                                            // [tiles * 16][pitch]
   uint8_t* inputs = weights + a.tiles_per_block * kTileRows * pitch;  // [16][pitch]
   float* partial = reinterpret_cast<float*>(inputs + kResidentGemmMaxRows * pitch);
   uint64_t* loaded = reinterpret_cast<uint64_t*>(partial + kWarps * 256);
+  bool* last = reinterpret_cast<bool*>(loaded + 2);  // [tiles]: this block adds the tile's parts
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  const int32_t first_tile = blockIdx.x * a.tiles_per_block;
+  // Block b: the tiles of group b / k_parts, the reduction part b % k_parts (columns k0..k0+kp).
+  const int32_t part = blockIdx.x % a.k_parts;
+  const int32_t first_tile = blockIdx.x / a.k_parts * a.tiles_per_block;
   const int32_t tiles = min(a.tiles_per_block, a.tiles - first_tile);
   const int32_t batch = first_tile / a.tiles_per_batch;
   const int32_t row0 = (first_tile % a.tiles_per_batch) * kTileRows;  // the block's first n
-  const Bf16* w = a.weight + batch * a.w_batch_stride + row0 * a.w_stride;
+  const int32_t kp = a.k / a.k_parts, k0 = part * kp;
+  const Bf16* w = a.weight + batch * a.w_batch_stride + row0 * a.w_stride + k0;
 
   // The weight rows depend on nothing: out before the wait, one bulk copy a row, all counted on
   // one mbarrier. The next kernel may take its place now (it waits for this one itself).
@@ -78,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
   __syncthreads();
   AllowDependentGridLaunch();
   if (warp == 0) {
-    const uint32_t row_bytes = static_cast<uint32_t>(2 * a.k);
+    const uint32_t row_bytes = static_cast<uint32_t>(2 * kp);
     if (lane == 0) sm90::MbarrierArriveExpectTx(loaded, tiles * kTileRows * row_bytes);
     __syncwarp();
     for (int r = lane; r < tiles * kTileRows; r += 32) {
@@ -88,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
 
   // The input rows (the predecessor's output): zeroes past m.
   WaitForPredecessorGrid();
-  const Bf16* x = a.x + batch * a.x_batch_stride;
-  const int32_t chunks = a.k / 8;  // 16-byte pieces of a row
+  const Bf16* x = a.x + batch * a.x_batch_stride + k0;
+  const int32_t chunks = kp / 8;  // 16-byte pieces of a row
   for (int32_t i = threadIdx.x; i < kResidentGemmMaxRows * chunks; i += kThreads) {
     const int32_t row = i / chunks, chunk = i % chunks;
     const bool valid = row < a.m;
@@ -104,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
   // Warp w: tile w / slices, reduction part w % slices; both 8-token halves of the input.
   const int32_t tile = warp / a.slices, slice = warp % a.slices;
   if (tile < tiles) {
-    const int32_t span = a.k / a.slices;  // a multiple of 32
+    const int32_t span = kp / a.slices;  // a multiple of 32
     const uint8_t* tile_rows = weights + tile * kTileRows * pitch;
     const int a_row = lane % 8 + (lane / 8 % 2) * 8;
     float acc[2][4] = {};
@@ -133,14 +145,43 @@ __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
 
   // The slices added in order; value v of a tile is accumulator j of lane l for input half h
   // (v = (4h + j) * 32 + l): weight row l / 4 (+ 8 for j >= 2), input row 8h + 2(l % 4) + j % 2.
+  // With the reduction split over blocks, each block leaves its tiles' sums in part_sums and the
+  // last of a tile's k_parts blocks to arrive adds them, in part order, and stores the tile.
   Output* y = a.y + batch * a.y_batch_stride + row0;
+  if (a.k_parts > 1) {
+    for (int32_t v = threadIdx.x; v < tiles * 256; v += kThreads) {
+      const int32_t t = v / 256, index = v % 256;
+      float sum = 0.0f;
+      for (int32_t s = 0; s < a.slices; ++s) sum += partial[(t * a.slices + s) * 256 + index];
+      __stcg(&a.part_sums[(static_cast<int64_t>(first_tile + t) * a.k_parts + part) * 256 + index],
+             sum);
+    }
+    __threadfence();  // each thread's sums visible device-wide before the block arrives
+    __syncthreads();
+    if (threadIdx.x < tiles) {
+      uint32_t before;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                   : "=r"(before)
+                   : "l"(a.arrivals + first_tile + threadIdx.x)
+                   : "memory");
+      last[threadIdx.x] = before == static_cast<uint32_t>(a.k_parts - 1);
+      if (last[threadIdx.x]) a.arrivals[first_tile + threadIdx.x] = 0;  // for the next launch
+    }
+    __syncthreads();  // the acquiring thread's view, CTA-wide, before the others' loads
+  }
   for (int32_t v = threadIdx.x; v < tiles * 256; v += kThreads) {
     const int32_t t = v / 256, index = v % 256;
     const int32_t half = index / 128, j = index / 32 % 4, l = index % 32;
     const int32_t input_row = 8 * half + 2 * (l % 4) + j % 2;
     if (input_row >= a.m) continue;
     float sum = 0.0f;
-    for (int32_t s = 0; s < a.slices; ++s) sum += partial[(t * a.slices + s) * 256 + index];
+    if (a.k_parts == 1) {
+      for (int32_t s = 0; s < a.slices; ++s) sum += partial[(t * a.slices + s) * 256 + index];
+    } else {
+      if (!last[t]) continue;
+      const float* sums = a.part_sums + static_cast<int64_t>(first_tile + t) * a.k_parts * 256;
+      for (int32_t q = 0; q < a.k_parts; ++q) sum += __ldcg(&sums[q * 256 + index]);
+    }
     const int32_t n = t * kTileRows + l / 4 + 8 * (j / 2);
     y[input_row * a.y_stride + n] = FromFloat<Output>(sum);
   }
@@ -153,7 +194,7 @@ bool Aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer
 
 template <typename Output>
 absl::Status Launch(const GemmParamsOf<Bf16, Bf16, Output>& p, const ResidentGemmPlan& plan,
-                    cudaStream_t stream) {
+                    const ResidentGemmScratch& scratch, cudaStream_t stream) {
   const Args<Output> args{.x = p.x,
                           .weight = p.weight,
                           .y = p.y,
@@ -168,7 +209,10 @@ absl::Status Launch(const GemmParamsOf<Bf16, Bf16, Output>& p, const ResidentGem
                           .tiles_per_batch = static_cast<int32_t>(p.n / kTileRows),
                           .tiles = static_cast<int32_t>(p.batch * (p.n / kTileRows)),
                           .tiles_per_block = plan.tiles_per_block,
-                          .slices = plan.slices};
+                          .slices = plan.slices,
+                          .k_parts = plan.k_parts,
+                          .part_sums = scratch.part_sums,
+                          .arrivals = scratch.arrivals};
   return LaunchKernel(ResidentGemmKernel<Output>, dim3(static_cast<unsigned>(plan.blocks)),
                       dim3(kThreads), plan.smem_bytes, stream, /*overlap=*/true,
                       "ResidentGemmKernel launch", args);
@@ -178,7 +222,7 @@ absl::Status Launch(const GemmParamsOf<Bf16, Bf16, Output>& p, const ResidentGem
 
 template <typename Output>
 ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
-                                  int multiprocessors) {
+                                  int multiprocessors, const ResidentGemmScratch& scratch) {
   const int64_t x_stride = p.x_stride ? p.x_stride : p.k;
   const int64_t w_stride = p.weight_stride ? p.weight_stride : p.k;
   const bool batched = p.batch > 1;
@@ -193,25 +237,54 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int
   }
   const int64_t tiles_per_batch = p.n / kTileRows;
   const int64_t tiles = p.batch * tiles_per_batch;
-  // The fewest tiles a block (most blocks) that one wave holds, within shared memory.
-  for (int32_t per_block = 1; per_block <= kMaxTilesPerBlock; per_block *= 2) {
-    const int64_t blocks = (tiles + per_block - 1) / per_block;
-    const int64_t smem = SmemBytes(p.k, per_block);
-    if (tiles_per_batch % per_block != 0 || blocks > multiprocessors || smem > kMaxSmemBytes) {
-      continue;
+  // The reduction whole in each block if that fits, else split over the fewest blocks that fit;
+  // then the fewest tiles a block (the most blocks) that one wave holds.
+  for (int32_t k_parts = 1; k_parts <= kMaxKParts; k_parts *= 2) {
+    const int64_t kp = p.k / k_parts;
+    if (p.k % (64 * k_parts) != 0) break;
+    if (k_parts > 1 && (tiles * k_parts > scratch.tile_parts || tiles > scratch.tiles)) break;
+    for (int32_t per_block = 1; per_block <= kMaxTilesPerBlock; per_block *= 2) {
+      const int64_t blocks = (tiles + per_block - 1) / per_block * k_parts;
+      const int64_t smem = SmemBytes(kp, per_block);
+      if (tiles_per_batch % per_block != 0 || blocks > multiprocessors || smem > kMaxSmemBytes) {
+        continue;
+      }
+      int32_t slices = kWarps / per_block;
+      while (slices > 1 && kp % (32 * slices) != 0) slices /= 2;
+      return {.blocks = static_cast<int32_t>(blocks),
+              .tiles_per_block = per_block,
+              .slices = slices,
+              .k_parts = k_parts,
+              .smem_bytes = smem};
     }
-    int32_t slices = kWarps / per_block;
-    while (slices > 1 && (p.k % (32 * slices) != 0)) slices /= 2;
-    return {.blocks = static_cast<int32_t>(blocks),
-            .tiles_per_block = per_block,
-            .slices = slices,
-            .smem_bytes = smem};
   }
   return {};
 }
 
-template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&, int, int);
-template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, float>&, int, int);
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&, int, int,
+                                           const ResidentGemmScratch&);
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, float>&, int, int,
+                                           const ResidentGemmScratch&);
+
+absl::StatusOr<ResidentGemmScratch> AllocateResidentGemmScratch() {
+  ResidentGemmScratch scratch{.tile_parts = kScratchTileParts, .tiles = kScratchTiles};
+  const size_t sums_bytes = static_cast<size_t>(kScratchTileParts) * 256 * sizeof(float);
+  const size_t arrivals_bytes = static_cast<size_t>(kScratchTiles) * sizeof(uint32_t);
+  cudaError_t error = cudaMalloc(&scratch.part_sums, sums_bytes);
+  if (error == cudaSuccess) error = cudaMalloc(&scratch.arrivals, arrivals_bytes);
+  if (error == cudaSuccess) error = cudaMemset(scratch.arrivals, 0, arrivals_bytes);
+  if (error != cudaSuccess) {
+    FreeResidentGemmScratch(scratch);
+    return CudaStatus(error, "the resident products' scratch");
+  }
+  return scratch;
+}
+
+void FreeResidentGemmScratch(ResidentGemmScratch& scratch) {
+  cudaFree(scratch.part_sums);
+  cudaFree(scratch.arrivals);
+  scratch = {};
+}
 
 absl::Status PrepareResidentGemm() {
   TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ResidentGemmKernel<Bf16>,
@@ -224,13 +297,13 @@ absl::Status PrepareResidentGemm() {
 }
 
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,
-                          cudaStream_t stream) {
-  return Launch(p, plan, stream);
+                          const ResidentGemmScratch& scratch, cudaStream_t stream) {
+  return Launch(p, plan, scratch, stream);
 }
 
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, float>& p, const ResidentGemmPlan& plan,
-                          cudaStream_t stream) {
-  return Launch(p, plan, stream);
+                          const ResidentGemmScratch& scratch, cudaStream_t stream) {
+  return Launch(p, plan, scratch, stream);
 }
 
 }  // namespace treeverify::kernels::cuda

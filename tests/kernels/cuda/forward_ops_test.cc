@@ -415,10 +415,13 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
   absl::StatusOr<std::unique_ptr<GemmRunner>> cublas =
       GemmRunner::Create(32 << 20, /*resident_products=*/false);
   ASSERT_TRUE(cublas.ok()) << cublas.status();
+  // The last four split their reductions over blocks (k = 7168: the router, the shared expert's
+  // gate/up, kv_a; a batch of two).
   const std::vector<GemmCase> cases = {{1, 1536, 7168, 1}, {3, 19, 733, 1},     {16, 576, 512, 1},
                                        {9, 512, 128, 8},   {19, 128, 512, 3},   {1, 48, 64, 1},
                                        {16, 3200, 64, 1},  {13, 1024, 1536, 1}, {16, 7168, 1024, 1},
-                                       {16, 128, 512, 8},  {5, 512, 128, 8}};
+                                       {16, 128, 512, 8},  {5, 512, 128, 8},    {16, 384, 7168, 1},
+                                       {13, 512, 7168, 1}, {16, 576, 7168, 1},  {4, 64, 4096, 2}};
   for (const GemmCase& c : cases) {
     for (GemmRunner* runner : {gemm->get(), cublas->get()}) {
       CheckGemm<float>(*runner, c, rng);
@@ -426,8 +429,8 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
     }
   }
   EXPECT_EQ((*cublas)->planned_shapes(), static_cast<int64_t>(2 * cases.size()));
-  // On sm_90 the resident kernel took the eight cases of at most 16 rows with k a multiple of 64
-  // that fit in shared memory: cuBLASLt planned only the other three.
+  // On sm_90 the resident kernel took the twelve cases of at most 16 rows with k a multiple of 64
+  // whose blocks fit in shared memory: cuBLASLt planned only the other three.
   int major = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   if (major >= 9) {
@@ -455,13 +458,25 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
                             major, 132);
   };
   auto shape = [](const ResidentGemmPlan& p) {
-    return std::vector<int64_t>{p.blocks, p.tiles_per_block, p.slices};
+    return std::vector<int64_t>{p.blocks, p.tiles_per_block, p.slices, p.k_parts};
   };
-  EXPECT_EQ(shape(plan(16, 7168, 1024)), (std::vector<int64_t>{112, 4, 2}));  // o_proj
-  EXPECT_EQ(shape(plan(16, 1536, 1536)), (std::vector<int64_t>{96, 1, 8}));   // q_b
-  EXPECT_EQ(shape(plan(1, 1536, 1536)), (std::vector<int64_t>{96, 1, 8}));
-  EXPECT_EQ(shape(plan(16, 512, 128, 8)), (std::vector<int64_t>{128, 2, 4}));  // W_UK
-  EXPECT_EQ(shape(plan(16, 128, 512, 8)), (std::vector<int64_t>{64, 1, 8}));   // W_UV
+  EXPECT_EQ(shape(plan(16, 7168, 1024)), (std::vector<int64_t>{112, 4, 2, 1}));  // o_proj
+  EXPECT_EQ(shape(plan(16, 1536, 1536)), (std::vector<int64_t>{96, 1, 8, 1}));   // q_b
+  EXPECT_EQ(shape(plan(1, 1536, 1536)), (std::vector<int64_t>{96, 1, 8, 1}));
+  EXPECT_EQ(shape(plan(16, 512, 128, 8)), (std::vector<int64_t>{128, 2, 4, 1}));  // W_UK
+  EXPECT_EQ(shape(plan(16, 128, 512, 8)), (std::vector<int64_t>{64, 1, 8, 1}));   // W_UV
+  // k = 7168: only with room to split the reduction over blocks.
+  const ResidentGemmScratch room{.tile_parts = 2048, .tiles = 2048};
+  auto split = [&](int64_t n) {
+    return shape(PlanResidentGemm(
+        GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = n, .k = 7168}, major,
+        132, room));
+  };
+  EXPECT_EQ(split(384), (std::vector<int64_t>{96, 1, 8, 4}));   // the router
+  EXPECT_EQ(split(512), (std::vector<int64_t>{128, 1, 8, 4}));  // the shared expert's gate/up
+  EXPECT_EQ(split(576), (std::vector<int64_t>{72, 2, 4, 4}));   // kv_a
+  EXPECT_EQ(split(1536)[0], 0);                // q_a: no split fits one wave and shared memory
+  EXPECT_EQ(plan(16, 384, 7168).blocks, 0);    // the router without scratch
   EXPECT_EQ(plan(16, 1536, 7168).blocks, 0);   // q_a: a tile and the input exceed shared memory
   EXPECT_EQ(plan(16, 20480, 1024).blocks, 0);  // more tiles than 8 a multiprocessor
   EXPECT_EQ(plan(17, 1536, 1536).blocks, 0);   // more than 16 rows

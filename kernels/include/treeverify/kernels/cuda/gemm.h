@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/gemm.h"
 
 namespace treeverify::kernels::cuda {
@@ -51,7 +52,7 @@ class GemmRunner {
   using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, bool, int, int, int>;
   GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
-             int multiprocessors);
+             int multiprocessors, ResidentGemmScratch scratch);
   template <typename Output>
   absl::Status RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& params, cudaStream_t stream);
   absl::StatusOr<const Plan*> PlanFor(const ShapeKey& key);
@@ -62,6 +63,7 @@ class GemmRunner {
   // The current device's at creation, for ResidentGemm's plans; major 0: resident products off.
   int device_major_;
   int multiprocessors_;
+  ResidentGemmScratch resident_scratch_;  // split reductions' sums and counters
   mutable std::mutex mutex_;
   std::map<ShapeKey, std::unique_ptr<Plan>> plans_;
 };

@@ -6,8 +6,10 @@
 // the predecessor still runs, then waits for it, reads the input rows from the L2 and multiplies
 // on the tensor cores (bench/NOTES.md, step 111).
 //
-// Each block owns 16-row tiles of one product of the batch with the whole reduction: no split-K
-// partials leave the block, and a tile's slices are added in one order, so the bytes do not
+// Each block owns 16-row tiles of one product of the batch with the whole reduction where that
+// fits in shared memory; where it does not (k = 7168: the router, the shared expert's gate/up)
+// the reduction is split over k_parts blocks, whose sums go to a scratch buffer, and the last
+// block of a tile to arrive adds them. Every sum is added in one order, so the bytes do not
 // depend on scheduling. GemmRunner routes the products it takes here (gemm.h).
 #pragma once
 
@@ -16,6 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/bf16.h"
 #include "treeverify/kernels/gemm.h"
 
@@ -29,24 +32,38 @@ struct ResidentGemmPlan {
   int32_t blocks = 0;
   int32_t tiles_per_block = 0;
   int32_t slices = 0;
+  int32_t k_parts = 0;  // the reduction split over this many blocks a tile
   int64_t smem_bytes = 0;
 };
 
-// The plan when the kernel takes the product, else nullopt-like: blocks == 0. It takes products
-// of 1..16 rows with n a multiple of 16 and k of 64, 16-byte aligned weight and input rows, on a
-// device of compute capability 9.0 or later with `multiprocessors` SMs, whose blocks' weight
-// rows and input fit in shared memory, in at most one block per multiprocessor.
+// Device memory for split reductions: a tile's parts' sums, and an arrival counter per tile that
+// the last block of the tile zeroes again. One per stream of launches (a GemmRunner's).
+struct ResidentGemmScratch {
+  float* part_sums = nullptr;  // [tile_parts][256]
+  uint32_t* arrivals = nullptr;
+  int64_t tile_parts = 0;
+  int64_t tiles = 0;
+};
+absl::StatusOr<ResidentGemmScratch> AllocateResidentGemmScratch();
+void FreeResidentGemmScratch(ResidentGemmScratch& scratch);
+
+// The plan when the kernel takes the product, else blocks == 0. It takes products of 1..16 rows
+// with n a multiple of 16 and k of 64, 16-byte aligned weight and input rows, on a device of
+// compute capability 9.0 or later with `multiprocessors` SMs, whose blocks' weight rows and
+// input fit in shared memory, in at most one block per multiprocessor; a split reduction needs
+// room in `scratch` (none: only whole reductions).
 template <typename Output>
 ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
-                                  int multiprocessors);
+                                  int multiprocessors, const ResidentGemmScratch& scratch = {});
 
 // Sets the kernels' shared-memory limit on the current device (once, before the first launch).
 absl::Status PrepareResidentGemm();
 
-// Launches the planned product on `stream` as a programmatic dependent of the kernel before it.
+// Launches the planned product on `stream` as a programmatic dependent of the kernel before it,
+// with the scratch it was planned with.
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,
-                          cudaStream_t stream);
+                          const ResidentGemmScratch& scratch, cudaStream_t stream);
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, float>& p, const ResidentGemmPlan& plan,
-                          cudaStream_t stream);
+                          const ResidentGemmScratch& scratch, cudaStream_t stream);
 
 }  // namespace treeverify::kernels::cuda
