@@ -59,18 +59,13 @@ absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace
     return absl::InvalidArgumentError(
         absl::StrCat("GemmRunner: workspace_bytes must be >= 0, got ", workspace_bytes));
   }
-  int device = 0, device_major = 0, multiprocessors = 0;
-  if (resident_products) {
-    TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    TV_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&device_major, cudaDevAttrComputeCapabilityMajor, device));
-    TV_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  }
+  ResidentGemmDevice device;
   ResidentGemmScratch scratch;
-  if (device_major >= 9) {
-    TV_RETURN_IF_ERROR(PrepareResidentGemm());
-    TV_ASSIGN_OR_RETURN(scratch, AllocateResidentGemmScratch());
+  if (resident_products) {
+    TV_ASSIGN_OR_RETURN(device, PrepareResidentGemm());
+    if (device.max_smem_bytes > 0) {
+      TV_ASSIGN_OR_RETURN(scratch, AllocateResidentGemmScratch());
+    }
   }
   void* workspace = nullptr;
   absl::Status status = absl::OkStatus();
@@ -85,16 +80,15 @@ absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace
     return status;
   }
   return std::unique_ptr<GemmRunner>(
-      new GemmRunner(handle, workspace, workspace_bytes, device_major, multiprocessors, scratch));
+      new GemmRunner(handle, workspace, workspace_bytes, device, scratch));
 }
 
-GemmRunner::GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
-                       int multiprocessors, ResidentGemmScratch scratch)
+GemmRunner::GemmRunner(void* handle, void* workspace, int64_t workspace_bytes,
+                       ResidentGemmDevice device, ResidentGemmScratch scratch)
     : handle_(handle),
       workspace_(workspace),
       workspace_bytes_(workspace_bytes),
-      device_major_(device_major),
-      multiprocessors_(multiprocessors),
+      resident_device_(device),
       resident_scratch_(scratch) {}
 
 GemmRunner::~GemmRunner() {
@@ -134,8 +128,7 @@ absl::Status GemmRunner::RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& p, cuda
   if (p.x == nullptr || p.weight == nullptr || p.y == nullptr) {
     return absl::InvalidArgumentError("cuda::Gemm: x, weight and y must be non-null");
   }
-  if (const ResidentGemmPlan resident =
-          PlanResidentGemm(p, device_major_, multiprocessors_, resident_scratch_);
+  if (const ResidentGemmPlan resident = PlanResidentGemm(p, resident_device_, resident_scratch_);
       resident.blocks > 0) {
     return ResidentGemm(p, resident, resident_scratch_, stream);
   }

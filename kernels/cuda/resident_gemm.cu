@@ -1,5 +1,6 @@
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "grid_dependency.cuh"
@@ -20,7 +21,8 @@ constexpr int kMaxKParts = 16;
 // The scratch for split reductions: 2048 (tile, part) sums of 1 KB, 2048 tiles' counters.
 constexpr int64_t kScratchTileParts = 2048;
 constexpr int64_t kScratchTiles = 2048;
-// Shared memory a block may have on sm_90 (227 KB), all of it dynamic.
+// Shared memory a block may have on sm_90 (227 KB), all of it dynamic; less where the device
+// has less (ResidentGemmDevice).
 constexpr int64_t kMaxSmemBytes = 227 * 1024;
 
 // A row's bytes in shared memory: 16 more than the row's, so that ldmatrix's eight row addresses
@@ -221,15 +223,13 @@ absl::Status Launch(const GemmParamsOf<Bf16, Bf16, Output>& p, const ResidentGem
 }  // namespace
 
 template <typename Output>
-ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
-                                  int multiprocessors, const ResidentGemmScratch& scratch) {
+ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p,
+                                  const ResidentGemmDevice& device,
+                                  const ResidentGemmScratch& scratch) {
   const int64_t x_stride = p.x_stride ? p.x_stride : p.k;
   const int64_t w_stride = p.weight_stride ? p.weight_stride : p.k;
   const bool batched = p.batch > 1;
-  if (device_major < 9) return {};
-  // The kernel image must be sm_90's (its waits compiled in), whatever the device says.
-  static const bool kernel_waits = WaitsForPredecessor(ResidentGemmKernel<Output>);
-  if (!kernel_waits || p.m < 1 || p.m > kResidentGemmMaxRows || p.n % kTileRows != 0 ||
+  if (device.max_smem_bytes <= 0 || p.m < 1 || p.m > kResidentGemmMaxRows || p.n % kTileRows != 0 ||
       p.k % 64 != 0 || p.batch < 1 || !Aligned16(p.x) || !Aligned16(p.weight) ||
       (2 * x_stride) % 16 != 0 || (2 * w_stride) % 16 != 0 ||
       (batched && ((2 * p.x_batch_stride) % 16 != 0 || (2 * p.weight_batch_stride) % 16 != 0))) {
@@ -246,7 +246,8 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int
     for (int32_t per_block = 1; per_block <= kMaxTilesPerBlock; per_block *= 2) {
       const int64_t blocks = (tiles + per_block - 1) / per_block * k_parts;
       const int64_t smem = SmemBytes(kp, per_block);
-      if (tiles_per_batch % per_block != 0 || blocks > multiprocessors || smem > kMaxSmemBytes) {
+      if (tiles_per_batch % per_block != 0 || blocks > device.multiprocessors ||
+          smem > device.max_smem_bytes) {
         continue;
       }
       int32_t slices = kWarps / per_block;
@@ -261,10 +262,10 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int
   return {};
 }
 
-template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&, int, int,
-                                           const ResidentGemmScratch&);
-template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, float>&, int, int,
-                                           const ResidentGemmScratch&);
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&,
+                                           const ResidentGemmDevice&, const ResidentGemmScratch&);
+template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, float>&,
+                                           const ResidentGemmDevice&, const ResidentGemmScratch&);
 
 absl::StatusOr<ResidentGemmScratch> AllocateResidentGemmScratch() {
   ResidentGemmScratch scratch{.tile_parts = kScratchTileParts, .tiles = kScratchTiles};
@@ -286,14 +287,31 @@ void FreeResidentGemmScratch(ResidentGemmScratch& scratch) {
   scratch = {};
 }
 
-absl::Status PrepareResidentGemm() {
-  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ResidentGemmKernel<Bf16>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(kMaxSmemBytes)));
-  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ResidentGemmKernel<float>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(kMaxSmemBytes)));
-  return absl::OkStatus();
+absl::StatusOr<ResidentGemmDevice> PrepareResidentGemm() {
+  int device = 0, major = 0, multiprocessors = 0, optin = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  TV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (major < 9) return ResidentGemmDevice{};
+  // The images must be sm_90's (their waits compiled in) and take the shared memory; where not
+  // (a build without this device's architecture), the kernel is off and the error cleared.
+  const int smem = static_cast<int>(std::min<int64_t>(optin, kMaxSmemBytes));
+  const bool usable =
+      WaitsForPredecessor(ResidentGemmKernel<Bf16>) &&
+      WaitsForPredecessor(ResidentGemmKernel<float>) &&
+      cudaFuncSetAttribute(ResidentGemmKernel<Bf16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem) == cudaSuccess &&
+      cudaFuncSetAttribute(ResidentGemmKernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem) == cudaSuccess;
+  if (!usable) {
+    cudaGetLastError();
+    return ResidentGemmDevice{};
+  }
+  return ResidentGemmDevice{.multiprocessors = multiprocessors, .max_smem_bytes = smem};
 }
 
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,

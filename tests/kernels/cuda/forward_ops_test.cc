@@ -348,14 +348,29 @@ TEST_F(CudaForwardOpsTest, KvAppendAndCopyMatchTheCpuBackend) {
 
 struct GemmCase {
   int64_t m, n, k, batch;
+  // The products' inputs side by side in each row (W_UK's heads in q's rows) and weight rows
+  // padded, rather than each product's rows after the other's.
+  bool interleaved = false;
+};
+
+// A case's strides: operands inside wider rows, products interleaved in y (the absorbed
+// projections).
+struct GemmLayout {
+  int64_t x_stride, x_batch_stride, w_stride, y_stride;
+  explicit GemmLayout(const GemmCase& c)
+      : x_stride(c.interleaved ? c.batch * (c.k + 8) : c.k + 8),
+        x_batch_stride(c.interleaved ? c.k + 8 : c.m * (c.k + 8)),
+        w_stride(c.interleaved ? c.k + 16 : c.k),
+        y_stride(c.batch * c.n) {}
+  int64_t x_size(const GemmCase& c) const { return c.m * x_stride * (c.interleaved ? 1 : c.batch); }
 };
 
 template <typename Output>
 void CheckGemm(GemmRunner& gemm, const GemmCase& c, std::mt19937& rng) {
-  // Operands strided inside wider rows, products interleaved in y (the absorbed projections).
-  const int64_t x_stride = c.k + 8, y_stride = c.batch * c.n;
-  const std::vector<float> x = RoundToBf16(Random(rng, c.batch * c.m * x_stride));
-  const std::vector<float> w = RoundToBf16(Random(rng, c.batch * c.n * c.k, 0.05f));
+  const GemmLayout layout(c);
+  const int64_t x_stride = layout.x_stride, y_stride = layout.y_stride;
+  const std::vector<float> x = RoundToBf16(Random(rng, layout.x_size(c)));
+  const std::vector<float> w = RoundToBf16(Random(rng, c.batch * c.n * layout.w_stride, 0.05f));
   std::vector<float> expected(c.m * y_stride);
   const GemmParams cpu_params{.x = x.data(),
                               .weight = w.data(),
@@ -364,16 +379,19 @@ void CheckGemm(GemmRunner& gemm, const GemmCase& c, std::mt19937& rng) {
                               .n = c.n,
                               .k = c.k,
                               .x_stride = x_stride,
+                              .weight_stride = layout.w_stride,
                               .y_stride = y_stride,
                               .batch = c.batch,
-                              .x_batch_stride = c.m * x_stride,
-                              .weight_batch_stride = c.n * c.k,
+                              .x_batch_stride = layout.x_batch_stride,
+                              .weight_batch_stride = c.n * layout.w_stride,
                               .y_batch_stride = c.n};
   ASSERT_TRUE(cpu::Gemm(cpu_params).ok());
   DeviceBuffer<Bf16> d_x(x.size()), d_w(w.size());
   DeviceBuffer<Output> d_y(expected.size());
   d_x.CopyFrom(ToBf16(x));
   d_w.CopyFrom(ToBf16(w));
+  // NaN everywhere first: an output the product does not write fails the comparison.
+  ASSERT_EQ(cudaMemset(d_y.get(), 0xff, expected.size() * sizeof(Output)), cudaSuccess);
   GemmParamsOf<Bf16, Bf16, Output> params{.x = d_x.get(),
                                           .weight = d_w.get(),
                                           .y = d_y.get(),
@@ -381,10 +399,11 @@ void CheckGemm(GemmRunner& gemm, const GemmCase& c, std::mt19937& rng) {
                                           .n = c.n,
                                           .k = c.k,
                                           .x_stride = x_stride,
+                                          .weight_stride = layout.w_stride,
                                           .y_stride = y_stride,
                                           .batch = c.batch,
-                                          .x_batch_stride = c.m * x_stride,
-                                          .weight_batch_stride = c.n * c.k,
+                                          .x_batch_stride = layout.x_batch_stride,
+                                          .weight_batch_stride = c.n * layout.w_stride,
                                           .y_batch_stride = c.n};
   ASSERT_TRUE(gemm.Run(params, nullptr).ok());
   std::vector<float> actual;
@@ -415,13 +434,14 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
   absl::StatusOr<std::unique_ptr<GemmRunner>> cublas =
       GemmRunner::Create(32 << 20, /*resident_products=*/false);
   ASSERT_TRUE(cublas.ok()) << cublas.status();
-  // The last four split their reductions over blocks (k = 7168: the router, the shared expert's
-  // gate/up, kv_a; a batch of two).
-  const std::vector<GemmCase> cases = {{1, 1536, 7168, 1}, {3, 19, 733, 1},     {16, 576, 512, 1},
-                                       {9, 512, 128, 8},   {19, 128, 512, 3},   {1, 48, 64, 1},
-                                       {16, 3200, 64, 1},  {13, 1024, 1536, 1}, {16, 7168, 1024, 1},
-                                       {16, 128, 512, 8},  {5, 512, 128, 8},    {16, 384, 7168, 1},
-                                       {13, 512, 7168, 1}, {16, 576, 7168, 1},  {4, 64, 4096, 2}};
+  // The last five split their reductions over blocks (k = 7168: the router, the shared expert's
+  // gate/up, kv_a; a batch of two); the last two have W_UK's and W_UV's interleaved inputs.
+  const std::vector<GemmCase> cases = {
+      {1, 1536, 7168, 1},     {3, 19, 733, 1},    {16, 576, 512, 1}, {9, 512, 128, 8},
+      {19, 128, 512, 3},      {1, 48, 64, 1},     {16, 3200, 64, 1}, {13, 1024, 1536, 1},
+      {16, 7168, 1024, 1},    {16, 128, 512, 8},  {5, 512, 128, 8},  {16, 384, 7168, 1},
+      {13, 512, 7168, 1},     {16, 576, 7168, 1}, {4, 64, 4096, 2},  {16, 512, 128, 8, true},
+      {7, 128, 512, 64, true}};
   for (const GemmCase& c : cases) {
     for (GemmRunner* runner : {gemm->get(), cublas->get()}) {
       CheckGemm<float>(*runner, c, rng);
@@ -429,21 +449,100 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
     }
   }
   EXPECT_EQ((*cublas)->planned_shapes(), static_cast<int64_t>(2 * cases.size()));
-  // On sm_90 the resident kernel took the twelve cases of at most 16 rows with k a multiple of 64
-  // whose blocks fit in shared memory: cuBLASLt planned only the other three.
-  int major = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  if (major >= 9) {
-    EXPECT_EQ((*gemm)->planned_shapes(), 2 * 3);
+  // cuBLASLt planned only the cases the resident kernel does not take on this device: on an
+  // H200, all but the three of more than 16 rows, k not a multiple of 64, or too wide a block.
+  absl::StatusOr<ResidentGemmDevice> device = PrepareResidentGemm();
+  ASSERT_TRUE(device.ok()) << device.status();
+  const ResidentGemmScratch room{.tile_parts = 2048, .tiles = 2048};
+  alignas(16) static Bf16 aligned[8];  // planning reads only the pointers' alignment
+  int64_t resident = 0;
+  for (const GemmCase& c : cases) {
+    const GemmLayout layout(c);
+    resident += PlanResidentGemm(
+                    GemmParamsOf<Bf16, Bf16, float>{.x = aligned,
+                                                    .weight = aligned,
+                                                    .m = c.m,
+                                                    .n = c.n,
+                                                    .k = c.k,
+                                                    .x_stride = layout.x_stride,
+                                                    .weight_stride = layout.w_stride,
+                                                    .batch = c.batch,
+                                                    .x_batch_stride = layout.x_batch_stride,
+                                                    .weight_batch_stride = c.n * layout.w_stride},
+                    *device, room)
+                    .blocks > 0;
+  }
+  EXPECT_EQ((*gemm)->planned_shapes(), 2 * (static_cast<int64_t>(cases.size()) - resident));
+  if (device->max_smem_bytes >= 227 * 1024 && device->multiprocessors >= 132) {
+    EXPECT_EQ(resident, static_cast<int64_t>(cases.size()) - 3);
   }
 }
 
-// How ResidentGemm lays the verify step's products over an H200's 132 multiprocessors, and which
-// it leaves to cuBLASLt.
-TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
-  int major = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  if (major < 9) GTEST_SKIP() << "ResidentGemm needs sm_90 or later";
+// The resident product as its predecessor's programmatic dependent: it loads its weights while
+// the norm that writes its input runs, and must read that input only after the norm is done.
+// Eager and captured in a graph, the product of the norm's output equals the product computed
+// afterwards on its own.
+TEST_F(CudaForwardOpsTest, ResidentGemmReadsItsInputAfterThePredecessorWritesIt) {
+  std::mt19937 rng(511);
+  constexpr int64_t kRows = 16, kDim = 1536, kOut = 1536;  // q_a's norm, then q_b
+  const std::vector<float> residual = Random(rng, kRows * kDim, 2.0f);
+  DeviceBuffer<float> d_residual(residual.size());
+  DeviceBuffer<Bf16> d_norm_weight(kDim), d_normed(kRows * kDim), d_w(kOut * kDim);
+  DeviceBuffer<Bf16> d_y(kRows * kOut), d_alone(kRows * kOut);
+  d_residual.CopyFrom(residual);
+  d_norm_weight.CopyFrom(ToBf16(std::vector<float>(kDim, 1.0f)));
+  d_w.CopyFrom(ToBf16(Random(rng, kOut * kDim, 0.05f)));
+  absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create();
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto product = [&](Bf16* y) {
+    return (*gemm)->Run(
+        {.x = d_normed.get(), .weight = d_w.get(), .y = y, .m = kRows, .n = kOut, .k = kDim},
+        stream);
+  };
+  auto norm_then_product = [&]() {
+    // Stale input first: a product that read before the norm ended would see these.
+    EXPECT_EQ(cudaMemsetAsync(d_normed.get(), 0, kRows * kDim * sizeof(Bf16), stream), cudaSuccess);
+    EXPECT_TRUE(RmsNorm({.input = d_residual.get(),
+                         .weight = d_norm_weight.get(),
+                         .output = d_normed.get(),
+                         .rows = kRows,
+                         .dim = kDim,
+                         .eps = 1e-6f},
+                        stream)
+                    .ok());
+    EXPECT_TRUE(product(d_y.get()).ok());
+  };
+  for (const bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph" : "eager");
+    if (graph) {
+      cudaGraph_t captured;
+      cudaGraphExec_t exec;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      norm_then_product();
+      ASSERT_EQ(cudaStreamEndCapture(stream, &captured), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec, captured, 0), cudaSuccess);
+      for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(captured);
+    } else {
+      norm_then_product();
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_TRUE(product(d_alone.get()).ok());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<Bf16> together = d_y.ToHost(), alone = d_alone.ToHost();
+    EXPECT_EQ(0, std::memcmp(together.data(), alone.data(), together.size() * sizeof(Bf16)));
+    EXPECT_NE(ToFloat(alone), std::vector<float>(alone.size(), 0.0f));
+  }
+  cudaStreamDestroy(stream);
+}
+
+// How ResidentGemm lays the verify step's products over an H200's 132 multiprocessors (227 KB
+// of shared memory a block), and which it leaves to cuBLASLt. Planning needs no GPU.
+TEST(ResidentGemmPlanTest, PlansTheVerifyProductsOfAnH200) {
+  const ResidentGemmDevice h200{.multiprocessors = 132, .max_smem_bytes = 227 * 1024};
   alignas(16) static Bf16 x[16], w[16];  // never read: planning looks at shapes and alignment
   auto plan = [&](int64_t m, int64_t n, int64_t k, int64_t batch = 1) {
     return PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x,
@@ -455,7 +554,7 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
                                                             .x_batch_stride = k,
                                                             .weight_batch_stride = n * k,
                                                             .y_batch_stride = n},
-                            major, 132);
+                            h200);
   };
   auto shape = [](const ResidentGemmPlan& p) {
     return std::vector<int64_t>{p.blocks, p.tiles_per_block, p.slices, p.k_parts};
@@ -469,8 +568,8 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
   const ResidentGemmScratch room{.tile_parts = 2048, .tiles = 2048};
   auto split = [&](int64_t n) {
     return shape(PlanResidentGemm(
-        GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = n, .k = 7168}, major,
-        132, room));
+        GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = n, .k = 7168}, h200,
+        room));
   };
   EXPECT_EQ(split(384), (std::vector<int64_t>{96, 1, 8, 4}));   // the router
   EXPECT_EQ(split(512), (std::vector<int64_t>{128, 1, 8, 4}));  // the shared expert's gate/up
@@ -482,9 +581,25 @@ TEST_F(CudaForwardOpsTest, ResidentGemmPlansTheVerifyProducts) {
   EXPECT_EQ(plan(17, 1536, 1536).blocks, 0);   // more than 16 rows
   EXPECT_EQ(plan(16, 1536, 96).blocks, 0);     // k not a multiple of 64
   EXPECT_EQ(plan(16, 24, 64).blocks, 0);       // n not a multiple of 16
+  const GemmParamsOf<Bf16, Bf16, float> small{.x = x, .weight = w, .m = 16, .n = 64, .k = 64};
+  EXPECT_EQ(PlanResidentGemm(small, ResidentGemmDevice{}).blocks, 0);  // off (before sm_90)
+  // A device of 84 multiprocessors with 99 KB a block (sm_120): W_UK takes four tiles a block,
+  // o_proj's blocks do not fit.
+  const ResidentGemmDevice sm120{.multiprocessors = 84, .max_smem_bytes = 99 * 1024};
+  const ResidentGemmPlan w_uk =
+      PlanResidentGemm(GemmParamsOf<Bf16, Bf16, float>{.x = x,
+                                                       .weight = w,
+                                                       .m = 16,
+                                                       .n = 512,
+                                                       .k = 128,
+                                                       .batch = 8,
+                                                       .x_batch_stride = 128,
+                                                       .weight_batch_stride = 512 * 128},
+                       sm120);
+  EXPECT_EQ(shape(w_uk), (std::vector<int64_t>{64, 4, 2, 1}));
   EXPECT_EQ(PlanResidentGemm(
-                GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = 64, .k = 64},
-                /*device_major=*/8, 132)
+                GemmParamsOf<Bf16, Bf16, float>{.x = x, .weight = w, .m = 16, .n = 7168, .k = 1024},
+                sm120)
                 .blocks,
             0);
 }

@@ -51,8 +51,8 @@ class GemmRunner {
   // m, n, k, x/weight/y strides, batch, batch strides, fp32 output, x/weight/y alignment.
   using ShapeKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, bool, int, int, int>;
-  GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, int device_major,
-             int multiprocessors, ResidentGemmScratch scratch);
+  GemmRunner(void* handle, void* workspace, int64_t workspace_bytes, ResidentGemmDevice device,
+             ResidentGemmScratch scratch);
   template <typename Output>
   absl::Status RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& params, cudaStream_t stream);
   absl::StatusOr<const Plan*> PlanFor(const ShapeKey& key);
@@ -60,9 +60,8 @@ class GemmRunner {
   void* handle_;  // cublasLtHandle_t, kept opaque so this header needs no cuBLAS include
   void* workspace_;
   int64_t workspace_bytes_;
-  // The current device's at creation, for ResidentGemm's plans; major 0: resident products off.
-  int device_major_;
-  int multiprocessors_;
+  // The current device's at creation, for ResidentGemm's plans (off: all on cuBLASLt).
+  ResidentGemmDevice resident_device_;
   ResidentGemmScratch resident_scratch_;  // split reductions' sums and counters
   mutable std::mutex mutex_;
   std::map<ShapeKey, std::unique_ptr<Plan>> plans_;

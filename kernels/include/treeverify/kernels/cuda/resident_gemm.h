@@ -47,17 +47,25 @@ struct ResidentGemmScratch {
 absl::StatusOr<ResidentGemmScratch> AllocateResidentGemmScratch();
 void FreeResidentGemmScratch(ResidentGemmScratch& scratch);
 
-// The plan when the kernel takes the product, else blocks == 0. It takes products of 1..16 rows
-// with n a multiple of 16 and k of 64, 16-byte aligned weight and input rows, on a device of
-// compute capability 9.0 or later with `multiprocessors` SMs, whose blocks' weight rows and
-// input fit in shared memory, in at most one block per multiprocessor; a split reduction needs
-// room in `scratch` (none: only whole reductions).
-template <typename Output>
-ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p, int device_major,
-                                  int multiprocessors, const ResidentGemmScratch& scratch = {});
+// What the plans need of the device: the kernel is off (max_smem_bytes 0) below compute
+// capability 9.0, or where its sm_90 image cannot be loaded or given its shared memory.
+struct ResidentGemmDevice {
+  int multiprocessors = 0;
+  int64_t max_smem_bytes = 0;  // a block's shared memory, at most 227 KB (sm_120: 99 KB)
+};
 
-// Sets the kernels' shared-memory limit on the current device (once, before the first launch).
-absl::Status PrepareResidentGemm();
+// The current device's, with the kernels' shared-memory limit set (once per device, before the
+// first launch). Errors only where the device cannot be queried; an unusable kernel is "off".
+absl::StatusOr<ResidentGemmDevice> PrepareResidentGemm();
+
+// The plan when the kernel takes the product, else blocks == 0. It takes products of 1..16 rows
+// with n a multiple of 16 and k of 64 and 16-byte aligned weight and input rows, whose blocks'
+// weight rows and input fit in the device's shared memory, in at most one block per
+// multiprocessor; a split reduction needs room in `scratch` (none: only whole reductions).
+template <typename Output>
+ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p,
+                                  const ResidentGemmDevice& device,
+                                  const ResidentGemmScratch& scratch = {});
 
 // Launches the planned product on `stream` as a programmatic dependent of the kernel before it,
 // with the scratch it was planned with.
