@@ -25,6 +25,15 @@
 
 namespace {
 
+// Holds the stream for about `ns` nanoseconds.
+__global__ void SpinKernel(uint64_t ns) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
 // A failed CUDA or cuBLASLt call ends the probe, naming the call.
 void Check(bool ok, const char* expression, int line, const char* detail) {
   if (ok) return;
@@ -168,11 +177,13 @@ int main(int argc, char** argv) {
     const int best =
         static_cast<int>(std::min_element(medians.begin(), medians.end()) - medians.begin());
     // The first candidate again, warm: the same product just before the timed one brings the
-    // weight (and x) into the L2 where they fit (the L2 is 50 MB; lm_head's 294 MB is not), and
-    // keeps the GPU busy while the timed launch is queued, as the cold runs' flush does: without
-    // it the host's launch latency falls inside the timed window.
+    // weight (and x) into the L2 where they fit (the L2 is 50 MB; lm_head's 294 MB is not). A
+    // spin first keeps the GPU busy while both are queued, as the cold runs' flush does: without
+    // it the host's time to enqueue the timed product falls inside the timed window.
     std::vector<double> warm_times;
     for (int r = 0; r < kRepeats; ++r) {
+      SpinKernel<<<1, 1, 0, stream>>>(100'000);
+      CHECK_CUDA(cudaGetLastError());
       CHECK_LT(cublasLtMatmul(handle, op, &alpha, w, a, x, b, &beta, y, d, y, d, &results[0].algo,
                               workspace, kWorkspaceBytes, stream));
       CHECK_CUDA(cudaEventRecord(start, stream));
