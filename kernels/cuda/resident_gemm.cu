@@ -122,16 +122,17 @@ __global__ void __launch_bounds__(kThreads) ResidentGemmKernel(Args<Output> a) {
     const uint8_t* tile_rows = weights + tile * kTileRows * pitch;
     const int a_row = lane % 8 + (lane / 8 % 2) * 8;
     float acc[2][4] = {};
-    for (int32_t k0 = slice * span; k0 < (slice + 1) * span; k0 += 32) {
+    // kk: a column of the block's part of the reduction (shared memory holds only that part).
+    for (int32_t kk = slice * span; kk < (slice + 1) * span; kk += 32) {
       uint32_t af[2][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mma::LoadMatrices4(af[h], tile_rows + a_row * pitch + 2 * (k0 + 16 * h + 8 * (lane / 16)));
+        mma::LoadMatrices4(af[h], tile_rows + a_row * pitch + 2 * (kk + 16 * h + 8 * (lane / 16)));
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         uint32_t b[4];
-        mma::LoadMatrices4(b, inputs + (8 * half + lane % 8) * pitch + 2 * (k0 + 8 * (lane / 8)));
+        mma::LoadMatrices4(b, inputs + (8 * half + lane % 8) * pitch + 2 * (kk + 8 * (lane / 8)));
         mma::MmaBf16(acc[half], af[0], b[0], b[1]);
         mma::MmaBf16(acc[half], af[1], b[2], b[3]);
       }
