@@ -275,6 +275,8 @@ absl::StatusOr<ResidentGemmScratch> AllocateResidentGemmScratch() {
   cudaError_t error = cudaMalloc(&scratch.part_sums, sums_bytes);
   if (error == cudaSuccess) error = cudaMalloc(&scratch.arrivals, arrivals_bytes);
   if (error == cudaSuccess) error = cudaMemset(scratch.arrivals, 0, arrivals_bytes);
+  // The zeroes land before any launch on the runner's (non-blocking) stream reads them.
+  if (error == cudaSuccess) error = cudaDeviceSynchronize();
   if (error != cudaSuccess) {
     FreeResidentGemmScratch(scratch);
     return CudaStatus(error, "the resident products' scratch");
@@ -309,7 +311,7 @@ absl::StatusOr<ResidentGemmDevice> PrepareResidentGemm() {
       cudaFuncSetAttribute(ResidentGemmKernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            smem) == cudaSuccess;
   if (!usable) {
-    cudaGetLastError();
+    cudaGetLastError();  // at a runner's creation: no other error is pending there
     return ResidentGemmDevice{};
   }
   return ResidentGemmDevice{.multiprocessors = multiprocessors, .max_smem_bytes = smem};

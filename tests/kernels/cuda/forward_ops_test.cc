@@ -417,8 +417,10 @@ void CheckGemm(GemmRunner& gemm, const GemmCase& c, std::mt19937& rng) {
   const float relative = std::is_same_v<Output, float> ? 1e-5f : kBf16Relative;
   ExpectClose(actual, expected, relative, absolute,
               testing::PrintToString(std::vector<int64_t>{c.m, c.n, c.k, c.batch}));
-  // A second run of the same shape reuses the plan and gives the same bytes.
+  // A second run of the same shape reuses the plan (and a split reduction its counters, zeroed
+  // again by the first run) and gives the same bytes, into NaN again.
   const std::vector<Output> first = d_y.ToHost();
+  ASSERT_EQ(cudaMemset(d_y.get(), 0xff, expected.size() * sizeof(Output)), cudaSuccess);
   ASSERT_TRUE(gemm.Run(params, nullptr).ok());
   EXPECT_EQ(0, std::memcmp(first.data(), d_y.ToHost().data(), first.size() * sizeof(Output)));
 }
@@ -535,6 +537,62 @@ TEST_F(CudaForwardOpsTest, ResidentGemmReadsItsInputAfterThePredecessorWritesIt)
     const std::vector<Bf16> together = d_y.ToHost(), alone = d_alone.ToHost();
     EXPECT_EQ(0, std::memcmp(together.data(), alone.data(), together.size() * sizeof(Bf16)));
     EXPECT_NE(ToFloat(alone), std::vector<float>(alone.size(), 0.0f));
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Split reductions back to back on one stream, each the programmatic dependent of the one before
+// (no host synchronization between), eager and in a graph: the router's shape, the shared
+// expert's gate/up, the router's again; each run's counters are zero for the next, so the two
+// router products give the same bytes and the gate/up product agrees with cuBLASLt.
+TEST_F(CudaForwardOpsTest, ResidentSplitProductsBackToBackKeepTheirCounters) {
+  std::mt19937 rng(513);
+  constexpr int64_t kRows = 16, kK = 7168;
+  DeviceBuffer<Bf16> d_x(kRows * kK), d_router(384 * kK), d_gate_up(512 * kK);
+  d_x.CopyFrom(ToBf16(Random(rng, kRows * kK)));
+  d_router.CopyFrom(ToBf16(Random(rng, 384 * kK, 0.05f)));
+  d_gate_up.CopyFrom(ToBf16(Random(rng, 512 * kK, 0.05f)));
+  DeviceBuffer<float> d_first(kRows * 384), d_again(kRows * 384), d_gate_out(kRows * 512);
+  DeviceBuffer<float> d_gate_reference(kRows * 512);
+  absl::StatusOr<std::unique_ptr<GemmRunner>> gemm = GemmRunner::Create();
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  absl::StatusOr<std::unique_ptr<GemmRunner>> cublas =
+      GemmRunner::Create(32 << 20, /*resident_products=*/false);
+  ASSERT_TRUE(cublas.ok()) << cublas.status();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto product = [&](GemmRunner& runner, const Bf16* w, float* y, int64_t n) {
+    return runner.Run({.x = d_x.get(), .weight = w, .y = y, .m = kRows, .n = n, .k = kK}, stream);
+  };
+  ASSERT_TRUE(product(**cublas, d_gate_up.get(), d_gate_reference.get(), 512).ok());
+  auto three = [&]() {
+    EXPECT_TRUE(product(**gemm, d_router.get(), d_first.get(), 384).ok());
+    EXPECT_TRUE(product(**gemm, d_gate_up.get(), d_gate_out.get(), 512).ok());
+    EXPECT_TRUE(product(**gemm, d_router.get(), d_again.get(), 384).ok());
+  };
+  for (const bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph" : "eager");
+    for (DeviceBuffer<float>* y : {&d_first, &d_again, &d_gate_out}) {
+      ASSERT_EQ(cudaMemsetAsync(y->get(), 0xff, y->bytes(), stream), cudaSuccess);
+    }
+    if (graph) {
+      cudaGraph_t captured;
+      cudaGraphExec_t exec;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      three();
+      ASSERT_EQ(cudaStreamEndCapture(stream, &captured), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec, captured, 0), cudaSuccess);
+      for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(captured);
+    } else {
+      three();
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> first = d_first.ToHost(), again = d_again.ToHost();
+    EXPECT_EQ(0, std::memcmp(first.data(), again.data(), first.size() * sizeof(float)));
+    EXPECT_FALSE(std::any_of(first.begin(), first.end(), [](float v) { return std::isnan(v); }));
+    ExpectClose(d_gate_out.ToHost(), d_gate_reference.ToHost(), 1e-5f, 1e-3f, "gate/up");
   }
   cudaStreamDestroy(stream);
 }
