@@ -3,7 +3,8 @@
 #
 #   scripts/gpu-check.sh bundle          here: builds the GPU tests and benchmarks (sm_90a) and
 #                                        copies them with their libraries into .gpu-bundle/
-#                                        (git-ignored)
+#                                        (git-ignored); BUNDLE_PARTS=tests or benches for one
+#                                        part (all of it exceeds the device tool's carry)
 #   scripts/gpu-check.sh run [OUTDIR]    on the GPU machine, from the repository root: runs every
 #                                        bundled test (a skipped test counts as a failure there;
 #                                        SUITE_TIMEOUT bounds each suite, 240 s), the two-GPU
@@ -36,8 +37,10 @@
 # SUITES (run): the test binaries to run, by name (default: all of them), e.g.
 #   SUITES="cuda_forward_ops_test cuda_forward_test" SANITIZE=0 scripts/gpu-check.sh run OUT
 #
-# With the device tool: carry .gpu-bundle and run
-#   bash scripts/gpu-check.sh run $OUT && bash scripts/gpu-check.sh bench $OUT
+# With the device tool: BUNDLE_PARTS=tests scripts/gpu-check.sh bundle, carry .gpu-bundle and run
+#   bash scripts/gpu-check.sh run $OUT
+# then BUNDLE_PARTS=benches scripts/gpu-check.sh bundle and, in a second call,
+#   bash scripts/gpu-check.sh bench $OUT
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
@@ -63,14 +66,24 @@ race_recorded=("cuda_mla_verify_attention_test:*ProductionDimsMatchTheCpuBackend
 
 case "${1:-}" in
   bundle)
+    # BUNDLE_PARTS=tests (the tests and the programs the service test starts) or benches: all of
+    # it is ~70 MB, over the device tool's 64 MiB carry, so a call carries one part.
+    case ${BUNDLE_PARTS:-all} in
+      tests) parts=("${gpu_tests[@]}" "${gpu_programs[@]}") ;;
+      benches) parts=("${gpu_benches[@]}") ;;
+      all) parts=("${gpu_tests[@]}" "${gpu_benches[@]}" "${gpu_programs[@]}") ;;
+      *) echo "BUNDLE_PARTS must be tests, benches or all" >&2; exit 2 ;;
+    esac
     BUILD_DIR=${BUILD_DIR:-$root/build-gpu} CUDA_ARCHS=${CUDA_ARCHS:-90a} \
       "$root/scripts/build.sh" -DTREEVERIFY_CUDA=ON
     rm -rf "$bundle"
     binaries=()
-    for t in "${gpu_tests[@]}" "${gpu_benches[@]}" "${gpu_programs[@]}"; do
+    for t in "${parts[@]}"; do
       binaries+=("${BUILD_DIR:-$root/build-gpu}/$t")
     done
     bash "$root/../shared/tools/gpu-bundle.sh" "$bundle" "${binaries[@]}"
+    # Host symbols are not needed there (the kernels' line tables are in their own images).
+    strip "$bundle"/bin/* 2>/dev/null || true
     # The timeline tracer (bench/cupti_trace.cc), loaded by the driver, not linked: beside the libraries.
     if [ -e "${BUILD_DIR:-$root/build-gpu}/bench/libcupti_trace.so" ]; then
       cp "${BUILD_DIR:-$root/build-gpu}/bench/libcupti_trace.so" "$bundle/lib/"
