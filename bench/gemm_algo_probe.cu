@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "l2_flush.cuh"
+#include "probe_common.h"
 
 namespace {
 
@@ -34,21 +35,10 @@ __global__ void SpinKernel(uint64_t ns) {
   } while (now - start < ns);
 }
 
-// A failed CUDA or cuBLASLt call ends the probe, naming the call.
-void Check(bool ok, const char* expression, int line, const char* detail) {
-  if (ok) return;
-  std::fprintf(stderr, "gemm_algo_probe.cu:%d %s: %s\n", line, expression, detail);
-  std::exit(1);
-}
-#define CHECK_CUDA(expr)                                               \
-  do {                                                                 \
-    const cudaError_t e_ = (expr);                                     \
-    Check(e_ == cudaSuccess, #expr, __LINE__, cudaGetErrorString(e_)); \
-  } while (0)
-#define CHECK_LT(expr)                                                                \
-  do {                                                                                \
-    const cublasStatus_t s_ = (expr);                                                 \
-    Check(s_ == CUBLAS_STATUS_SUCCESS, #expr, __LINE__, cublasLtGetStatusString(s_)); \
+#define CHECK_LT(expr)                                                                          \
+  do {                                                                                          \
+    const cublasStatus_t s_ = (expr);                                                           \
+    Check(s_ == CUBLAS_STATUS_SUCCESS, __FILE__, __LINE__, #expr, cublasLtGetStatusString(s_)); \
   } while (0)
 
 struct Shape {
@@ -61,29 +51,21 @@ constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;
 constexpr int kRepeats = 7;
 constexpr int kMaxCandidates = 32;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using treeverify::bench::Check;
+using treeverify::bench::Median;
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_dir = ".";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
-      out_dir = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: %s [--out DIR]\n", argv[0]);
-      return 2;
-    }
-  }
+  const std::optional<std::string> out_argument = treeverify::bench::OutDirArgument(argc, argv);
+  if (!out_argument) return 2;
+  const std::string& out_dir = *out_argument;
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cublasLtHandle_t handle;
   CHECK_LT(cublasLtCreate(&handle));
   const treeverify::bench::L2Flusher flusher;
-  Check(flusher.ok(), "L2Flusher", __LINE__, "no memory for the flush buffer");
+  Check(flusher.ok(), __FILE__, __LINE__, "L2Flusher", "no memory for the flush buffer");
   void* workspace;
   CHECK_CUDA(cudaMalloc(&workspace, kWorkspaceBytes));
   cudaEvent_t start, stop;

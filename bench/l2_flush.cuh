@@ -32,6 +32,13 @@ class L2Flusher {
         cudaMemset(buffer_, 1, static_cast<size_t>(bytes_)) != cudaSuccess) {
       bytes_ = 0;
     }
+    int device = 0, multiprocessors = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+            cudaSuccess) {
+      bytes_ = 0;
+    }
+    blocks_ = 4 * multiprocessors;
   }
   ~L2Flusher() {
     cudaFree(buffer_);
@@ -44,15 +51,13 @@ class L2Flusher {
   // Enqueues the read on `stream`; the launch's error, if any, is the stream's next.
   void Flush(cudaStream_t stream) const {
     if (!ok()) return;
-    int device = 0, multiprocessors = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-    ReadAllKernel<<<4 * multiprocessors, 256, 0, stream>>>(
-        static_cast<const uint4*>(buffer_), bytes_ / static_cast<int64_t>(sizeof(uint4)), sink_);
+    ReadAllKernel<<<blocks_, 256, 0, stream>>>(static_cast<const uint4*>(buffer_),
+                                               bytes_ / static_cast<int64_t>(sizeof(uint4)), sink_);
   }
 
  private:
   int64_t bytes_;
+  int blocks_ = 0;  // four a multiprocessor
   void* buffer_ = nullptr;
   uint32_t* sink_ = nullptr;
 };

@@ -41,6 +41,7 @@
 #include "grid_dependency.cuh"
 #include "l2_flush.cuh"
 #include "mma_sync_primitives.cuh"
+#include "probe_common.h"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
 #include "treeverify/kernels/cuda/copy_bandwidth.h"
@@ -255,41 +256,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-void Check(bool ok, const char* what, int line, const char* detail) {
-  if (ok) return;
-  std::fprintf(stderr, "phase_stream_probe.cu:%d %s: %s\n", line, what, detail);
-  std::exit(1);
-}
-#define CHECK_CUDA(expr)                                               \
-  do {                                                                 \
-    const cudaError_t e_ = (expr);                                     \
-    Check(e_ == cudaSuccess, #expr, __LINE__, cudaGetErrorString(e_)); \
-  } while (0)
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using treeverify::bench::Check;
+using treeverify::bench::Median;
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_dir = ".";
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--out") out_dir = argv[i + 1];
-  }
+  const std::optional<std::string> out_argument = treeverify::bench::OutDirArgument(argc, argv);
+  if (!out_argument) return 2;
+  const std::string& out_dir = *out_argument;
   int device = 0, multiprocessors = 0, major = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  Check(major >= 9, "device", __LINE__, "needs sm_90 or later (TMA)");
+  Check(major >= 9, __FILE__, __LINE__, "device", "needs sm_90 or later (TMA)");
   cudaDeviceProp properties{};
   CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
   cudaStream_t stream = nullptr;
   CHECK_CUDA(cudaStreamCreate(&stream));
   const absl::StatusOr<double> copy =
       treeverify::kernels::cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream);
-  Check(copy.ok(), "MeasureCopyBandwidth", __LINE__, copy.status().ToString().c_str());
+  Check(copy.ok(), __FILE__, __LINE__, "MeasureCopyBandwidth", copy.status().ToString().c_str());
 
   const char* names[kMaxSegments] = {"[q_a; kv_a]", "q_b", "o_proj"};
   const int32_t shapes[kMaxSegments][2] = {{2112, 7168}, {1536, 1536}, {7168, 1024}};
@@ -299,7 +286,7 @@ int main(int argc, char** argv) {
   int resident = 0;
   CHECK_CUDA(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, PhaseStreamKernel, kThreads, smem));
-  Check(resident >= 1, "occupancy", __LINE__, "no block fits");
+  Check(resident >= 1, __FILE__, __LINE__, "occupancy", "no block fits");
   const int grid = std::min(resident, 2) * multiprocessors;
 
   Params params{};
@@ -323,7 +310,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemset(weights[s], 0x3c, static_cast<size_t>(bytes[s])));
     const absl::StatusOr<CUtensorMap> map =
         treeverify::kernels::cuda::MakeBf16TensorMap2d(weights[s], g.rows, g.cols, g.cols, kRows);
-    Check(map.ok(), "MakeBf16TensorMap2d", __LINE__, map.status().ToString().c_str());
+    Check(map.ok(), __FILE__, __LINE__, "MakeBf16TensorMap2d", map.status().ToString().c_str());
     maps[s] = *map;
   }
   __nv_bfloat16* x = nullptr;
@@ -336,7 +323,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMemset(sink, 0, sink_bytes));
   CHECK_CUDA(cudaMalloc(&counters, (kMaxSegments + 1) * sizeof(int32_t)));
   const treeverify::bench::L2Flusher flusher;
-  Check(flusher.ok(), "L2Flusher", __LINE__, "no memory for the flush buffer");
+  Check(flusher.ok(), __FILE__, __LINE__, "L2Flusher", "no memory for the flush buffer");
   params.x = x;
   params.x_stride = 7168;
   params.sink = sink;

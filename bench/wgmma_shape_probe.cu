@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "probe_common.h"
 #include "sm90_primitives.cuh"
 #include "sm90_wgmma_wide.cuh"
 
@@ -126,15 +127,9 @@ Result Measure(int warpgroups, int multiprocessors) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_dir = ".";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) {
-      out_dir = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: %s [--out DIR]\n", argv[0]);
-      return 2;
-    }
-  }
+  const std::optional<std::string> out_argument = treeverify::bench::OutDirArgument(argc, argv);
+  if (!out_argument) return 2;
+  const std::string& out_dir = *out_argument;
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0) {
     std::fprintf(stderr, "wgmma_shape_probe: needs an sm_90 GPU\n");
