@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -480,6 +481,24 @@ TEST_F(CudaForwardOpsTest, GemmMatchesTheCpuBackend) {
   }
 }
 
+// `work`'s launches on `stream`: enqueued once (eager), or captured into a graph that is replayed
+// three times.
+void RunEagerOrReplayed(cudaStream_t stream, bool graph, const std::function<void()>& work) {
+  if (!graph) {
+    work();
+    return;
+  }
+  cudaGraph_t captured;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  work();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &captured), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, captured, 0), cudaSuccess);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(captured);
+}
+
 // The resident product as its predecessor's programmatic dependent: it loads its weights while
 // the norm that writes its input runs, and must read that input only after the norm is done.
 // Eager and captured in a graph, the product of the norm's output equals the product computed
@@ -518,19 +537,7 @@ TEST_F(CudaForwardOpsTest, ResidentGemmReadsItsInputAfterThePredecessorWritesIt)
   };
   for (const bool graph : {false, true}) {
     SCOPED_TRACE(graph ? "graph" : "eager");
-    if (graph) {
-      cudaGraph_t captured;
-      cudaGraphExec_t exec;
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      norm_then_product();
-      ASSERT_EQ(cudaStreamEndCapture(stream, &captured), cudaSuccess);
-      ASSERT_EQ(cudaGraphInstantiate(&exec, captured, 0), cudaSuccess);
-      for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(captured);
-    } else {
-      norm_then_product();
-    }
+    ASSERT_NO_FATAL_FAILURE(RunEagerOrReplayed(stream, graph, norm_then_product));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     ASSERT_TRUE(product(d_alone.get()).ok());
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -575,19 +582,7 @@ TEST_F(CudaForwardOpsTest, ResidentSplitProductsBackToBackKeepTheirCounters) {
     for (DeviceBuffer<float>* y : {&d_first, &d_again, &d_gate_out}) {
       ASSERT_EQ(cudaMemsetAsync(y->get(), 0xff, y->bytes(), stream), cudaSuccess);
     }
-    if (graph) {
-      cudaGraph_t captured;
-      cudaGraphExec_t exec;
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-      three();
-      ASSERT_EQ(cudaStreamEndCapture(stream, &captured), cudaSuccess);
-      ASSERT_EQ(cudaGraphInstantiate(&exec, captured, 0), cudaSuccess);
-      for (int i = 0; i < 3; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(captured);
-    } else {
-      three();
-    }
+    ASSERT_NO_FATAL_FAILURE(RunEagerOrReplayed(stream, graph, three));
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     const std::vector<float> first = d_first.ToHost(), again = d_again.ToHost();
     EXPECT_EQ(0, std::memcmp(first.data(), again.data(), first.size() * sizeof(float)));
