@@ -384,7 +384,9 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 }
 
 // activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
-// (grouped pair, row); pairs past the step's count return.
+// (grouped pair, row); pairs past the step's count return. Every part's sums are loaded before
+// the first add and before the count is known (the partial sums are allocated for every pair a
+// step may have): one trip to the L2 instead of one per part (bench/NOTES.md, step 116).
 __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
   // Allows the down stream to launch before this waits: down's blocks then take the gate/up
   // stream's places as they free and issue their first weight boxes (ExpertTmaKernel).
@@ -392,15 +394,25 @@ __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int3
   WaitForPredecessorGrid();
   const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t pair = index / p.intermediate, row = index % p.intermediate;
-  if (pair >= w.offsets[p.num_local_experts]) return;
+  if (pair >= p.tokens * p.top_k) return;
   const int64_t stride = p.tokens * p.top_k * 2 * p.intermediate;
   const float* sums = w.gate_up_parts + pair * 2 * p.intermediate + row;
-  float gate = sums[0], up = sums[p.intermediate];
-  for (int32_t part = 1; part < block_parts; ++part) {
-    gate = __fadd_rn(gate, sums[part * stride]);
-    up = __fadd_rn(up, sums[part * stride + p.intermediate]);
+  float gate[kMaxReductionParts], up[kMaxReductionParts];
+#pragma unroll
+  for (int32_t part = 0; part < kMaxReductionParts; ++part) {
+    gate[part] = part < block_parts ? sums[part * stride] : 0.0f;
+    up[part] = part < block_parts ? sums[part * stride + p.intermediate] : 0.0f;
   }
-  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(SiluTimesUp(gate, up));
+  if (pair >= w.offsets[p.num_local_experts]) return;
+  float gate_sum = gate[0], up_sum = up[0];
+#pragma unroll
+  for (int32_t part = 1; part < kMaxReductionParts; ++part) {
+    if (part < block_parts) {
+      gate_sum = __fadd_rn(gate_sum, gate[part]);
+      up_sum = __fadd_rn(up_sum, up[part]);
+    }
+  }
+  w.activated[pair * p.intermediate + row] = FromFloat<Bf16>(SiluTimesUp(gate_sum, up_sum));
 }
 
 }  // namespace treeverify::kernels::cuda::moe

@@ -1,26 +1,28 @@
 // The grouping of the MoE's (token, slot) pairs by local expert, in token order within each
-// expert, with the active experts' list and the grouped GEMM's tiles (moe_workspace.cuh).
+// expert, with the active experts' list and the grouped GEMM's tiles (moe_workspace.cuh): the
+// device functions; the kernels are in moe_grouping_kernels.cuh.
 //
-// A verify step's few hundred entries: GroupKernel, one block that stages the ids in shared
-// memory and places them with one warp. A prefill chunk's tens of thousands: three kernels over
-// chunks of kGroupChunk entries (one block each): count each chunk's pairs per expert, scan the
-// counts in (expert, chunk) order into each chunk's first position per expert, then place each
-// chunk's pairs by their rank among the chunk's pairs of the same expert. Both give the same order,
-// and neither uses global atomics (shared-memory counts only), so the result does not depend on
-// scheduling.
+// A verify step's few hundred entries: GroupStaged, one block that stages the ids in shared
+// memory and places them with one warp; its own kernel (GroupKernel) or the last block of the
+// routing's (MoeRoutingAndGrouping, moe_routing.cu). A prefill chunk's tens of thousands: three
+// kernels over chunks of kGroupChunk entries (one block each): count each chunk's pairs per expert,
+// scan the counts in (expert, chunk) order into each chunk's first position per expert, then place
+// each chunk's pairs by their rank among the chunk's pairs of the same expert. Both give the same
+// order, and neither uses global atomics (shared-memory counts only), so the result does not depend
+// on scheduling.
 #pragma once
 
 #include <cstdint>
 
-#include "grid_dependency.cuh"
 #include "moe_workspace.cuh"
 
 namespace treeverify::kernels::cuda::moe {
 
-// Exclusive prefix sums of two per-thread values over the block, in thread order.
+// Exclusive prefix sums of two per-thread values over the block of kBlockThreads, in thread order.
+template <int kBlockThreads>
 __device__ inline void BlockExclusiveScan2(int32_t& a, int32_t& b, int32_t& total_a,
                                            int32_t& total_b) {
-  __shared__ int32_t warp_a[kGroupThreads / 32], warp_b[kGroupThreads / 32];
+  __shared__ int32_t warp_a[kBlockThreads / 32], warp_b[kBlockThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int32_t inclusive_a = a, inclusive_b = b;
   for (int offset = 1; offset < 32; offset *= 2) {
@@ -39,7 +41,7 @@ __device__ inline void BlockExclusiveScan2(int32_t& a, int32_t& b, int32_t& tota
   int32_t before_a = 0, before_b = 0;
   total_a = 0;
   total_b = 0;
-  for (int w = 0; w < kGroupThreads / 32; ++w) {
+  for (int w = 0; w < kBlockThreads / 32; ++w) {
     if (w < warp) {
       before_a += warp_a[w];
       before_b += warp_b[w];
@@ -53,13 +55,14 @@ __device__ inline void BlockExclusiveScan2(int32_t& a, int32_t& b, int32_t& tota
 
 // The block's exclusive scans of three per-thread counts (pairs, active experts, GEMM tiles),
 // each replaced by its prefix; the totals come back in the out-parameters.
+template <int kBlockThreads>
 __device__ inline void ScanGroupCounts(int32_t& pairs, int32_t& active, int32_t& tiles,
                                        int32_t& total_pairs, int32_t& total_active,
                                        int32_t& total_tiles) {
-  BlockExclusiveScan2(pairs, active, total_pairs, total_active);
+  BlockExclusiveScan2<kBlockThreads>(pairs, active, total_pairs, total_active);
   __syncthreads();  // the scan's shared totals are read before the next scan writes them
   int32_t no_second = 0, unused = 0;
-  BlockExclusiveScan2(tiles, no_second, total_tiles, unused);
+  BlockExclusiveScan2<kBlockThreads>(tiles, no_second, total_tiles, unused);
 }
 
 // Expert e's grouped pairs [first_pair, end_pair): into the active list (at `active`, with the
@@ -90,41 +93,40 @@ __device__ inline void PublishGroupTotals(int32_t num_local, int32_t pairs, int3
   if (active_count != nullptr) *active_count = active;
 }
 
-// The grouping of a verify step (at most kStagedEntries entries; GroupChunks* below take more).
-// One block, in time linear in entries and experts (bench/NOTES.md, step 91): the routing's ids
-// are staged in shared memory and counted per local expert (shared-memory atomics: a count, in
-// any order); thread t owns local experts [t * per_thread, (t + 1) * per_thread) and the block
-// scans their counts (offsets), active flags (the active list) and GEMM tiles; then one warp
-// places the entries in index order, 32 at a time: an entry goes to its expert's next position
-// plus its rank among the same expert's entries of those 32 (a match), so each expert's pairs
-// are in token order.
+// The grouping of a verify step (at most kStagedEntries entries; GroupChunks* take more),
+// by one block of kBlockThreads threads, in time linear in entries and experts (bench/NOTES.md,
+// step 91): the routing's ids are staged in shared memory and counted per local expert
+// (shared-memory atomics: a count, in any order); thread t owns local experts [t * per_thread,
+// (t + 1) * per_thread) and the block scans their counts (offsets), active flags (the active
+// list) and GEMM tiles; then one warp places the entries in index order, 32 at a time: an entry
+// goes to its expert's next position plus its rank among the same expert's entries of those 32
+// (a match), so each expert's pairs are in token order. The ids are read from the L2 (ld.cg):
+// the routing's other blocks may have written them in this same kernel.
 constexpr int64_t kStagedEntries = 8192;  // 32 KB of shared memory
 
-// Dynamic shared memory of GroupKernel: the staged ids (padded by 16 bytes: the compiler's vector
+// Dynamic shared memory of GroupStaged: the staged ids (padded by 16 bytes: the compiler's vector
 // loads of them may read up to three past the last one, step 79) and a counter per local expert.
 inline int64_t GroupKernelSmemBytes(int64_t entries, int32_t num_local) {
   return (entries + 4 + num_local) * int64_t{sizeof(int32_t)};
 }
 
-__global__ void __launch_bounds__(kGroupThreads)
-    GroupKernel(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
-                int32_t first_expert, int32_t num_local, Workspace w, int32_t* active_count) {
-  extern __shared__ int32_t staged[];  // [entries + 4] local expert ids, -1 for other ranks'
-  // A programmatic dependent of the routing, and the expert streams of it (programmatic_launch.h).
-  WaitForPredecessorGrid();
-  AllowDependentGridLaunch();
+// `staged`: GroupKernelSmemBytes(tokens * top_k, num_local) bytes of shared memory.
+template <int kBlockThreads>
+__device__ void GroupStaged(const int32_t* __restrict__ topk_ids, int64_t tokens, int32_t top_k,
+                            int32_t first_expert, int32_t num_local, const Workspace& w,
+                            int32_t* active_count, int32_t* staged) {
   const int32_t n = static_cast<int32_t>(tokens * top_k);
   int32_t* next = staged + n + 4;  // [num_local] counts, then each expert's next position
-  for (int32_t e = threadIdx.x; e < num_local; e += kGroupThreads) next[e] = 0;
+  for (int32_t e = threadIdx.x; e < num_local; e += kBlockThreads) next[e] = 0;
   __syncthreads();
-  for (int32_t i = threadIdx.x; i < n; i += kGroupThreads) {
-    int32_t local = topk_ids[i] - first_expert;
+  for (int32_t i = threadIdx.x; i < n; i += kBlockThreads) {
+    int32_t local = __ldcg(topk_ids + i) - first_expert;
     if (local < 0 || local >= num_local) local = -1;
     staged[i] = local;
     if (local >= 0) atomicAdd(&next[local], 1);
   }
   __syncthreads();
-  const int32_t per_thread = (num_local + kGroupThreads - 1) / kGroupThreads;
+  const int32_t per_thread = (num_local + kBlockThreads - 1) / kBlockThreads;
   const int32_t begin = min(num_local, static_cast<int32_t>(threadIdx.x) * per_thread);
   const int32_t end = min(num_local, begin + per_thread);
   int32_t pairs = 0, active = 0, tiles = 0;
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     tiles += (count + moe::kGemmPairs - 1) / moe::kGemmPairs;
   }
   int32_t total_pairs, total_active, total_tiles;
-  ScanGroupCounts(pairs, active, tiles, total_pairs, total_active, total_tiles);
+  ScanGroupCounts<kBlockThreads>(pairs, active, tiles, total_pairs, total_active, total_tiles);
   for (int32_t e = begin; e < end; ++e) {
     const int32_t first_pair = pairs;
     pairs += next[e];
@@ -162,82 +164,6 @@ __global__ void __launch_bounds__(kGroupThreads)
     }
   }
   PublishGroupTotals(num_local, total_pairs, total_active, total_tiles, w, active_count);
-}
-
-inline constexpr int kGroupChunk = kGroupChunkEntries;
-
-// counts[e * chunks + chunk] = the chunk's pairs of local expert e.
-__global__ void __launch_bounds__(kGroupChunk)
-    GroupChunksCount(const int32_t* __restrict__ topk_ids, int64_t entries, int32_t first_expert,
-                     int32_t num_local, Workspace w) {
-  extern __shared__ int32_t histogram[];  // [num_local]
-  for (int32_t e = threadIdx.x; e < num_local; e += kGroupChunk) histogram[e] = 0;
-  __syncthreads();
-  const int64_t i = blockIdx.x * int64_t{kGroupChunk} + threadIdx.x;
-  if (i < entries) {
-    const int32_t local = topk_ids[i] - first_expert;
-    if (local >= 0 && local < num_local) atomicAdd(&histogram[local], 1);  // a count: any order
-  }
-  __syncthreads();
-  for (int32_t e = threadIdx.x; e < num_local; e += kGroupChunk) {
-    w.chunk_counts[int64_t{e} * gridDim.x + blockIdx.x] = histogram[e];
-  }
-}
-
-// One block: thread t owns experts [t * per_thread, (t + 1) * per_thread). The counts become each
-// chunk's first position per expert (in place), and the offsets, active list and tiles follow.
-__global__ void __launch_bounds__(kGroupThreads)
-    GroupChunksScan(int32_t chunks, int32_t num_local, Workspace w, int32_t* active_count) {
-  const int32_t per_thread = (num_local + kGroupThreads - 1) / kGroupThreads;
-  const int32_t begin = min(num_local, static_cast<int32_t>(threadIdx.x) * per_thread);
-  const int32_t end = min(num_local, begin + per_thread);
-  int32_t pairs = 0, active = 0, tiles = 0;
-  for (int32_t e = begin; e < end; ++e) {
-    int32_t count = 0;
-    for (int32_t c = 0; c < chunks; ++c) count += w.chunk_counts[int64_t{e} * chunks + c];
-    pairs += count;
-    active += count > 0;
-    tiles += (count + kGemmPairs - 1) / kGemmPairs;
-  }
-  int32_t total_pairs, total_active, total_tiles;
-  ScanGroupCounts(pairs, active, tiles, total_pairs, total_active, total_tiles);
-  for (int32_t e = begin; e < end; ++e) {
-    const int32_t first_pair = pairs;
-    w.offsets[e] = first_pair;
-    for (int32_t c = 0; c < chunks; ++c) {
-      int32_t& slot = w.chunk_counts[int64_t{e} * chunks + c];
-      const int32_t count = slot;
-      slot = pairs;
-      pairs += count;
-    }
-    ListExpert(e, first_pair, pairs, active, tiles, w);
-  }
-  PublishGroupTotals(num_local, total_pairs, total_active, total_tiles, w, active_count);
-}
-
-// Each entry of the chunk goes to its expert's chunk position plus its rank among the chunk's
-// earlier entries of that expert: within its warp by a match, then the warps before it by their
-// counts (shared memory, [warp][expert]).
-__global__ void __launch_bounds__(kGroupChunk)
-    GroupChunksPlace(const int32_t* __restrict__ topk_ids, int64_t entries, int32_t top_k,
-                     int32_t first_expert, int32_t num_local, Workspace w) {
-  constexpr int kChunkWarps = kGroupChunk / 32;
-  extern __shared__ int32_t warp_counts[];  // [kChunkWarps][num_local]
-  for (int32_t i = threadIdx.x; i < kChunkWarps * num_local; i += kGroupChunk) warp_counts[i] = 0;
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t i = blockIdx.x * int64_t{kGroupChunk} + threadIdx.x;
-  int32_t local = i < entries ? topk_ids[i] - first_expert : -1;
-  if (local < 0 || local >= num_local) local = -1;  // another rank's expert, or past the end
-  const uint32_t same = __match_any_sync(0xffffffffu, local);
-  const int rank_in_warp = __popc(same & ((1u << lane) - 1));
-  if (local >= 0 && rank_in_warp == 0) warp_counts[warp * num_local + local] = __popc(same);
-  __syncthreads();
-  if (local < 0) return;
-  int32_t position = w.chunk_counts[int64_t{local} * gridDim.x + blockIdx.x] + rank_in_warp;
-  for (int v = 0; v < warp; ++v) position += warp_counts[v * num_local + local];
-  w.pair_token[position] = static_cast<int32_t>(i / top_k);
-  w.pair_entry[position] = static_cast<int32_t>(i);
 }
 
 }  // namespace treeverify::kernels::cuda::moe

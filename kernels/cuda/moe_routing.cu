@@ -5,13 +5,20 @@
 // thread walking 384 experts took 66 us a layer; top_k rounds of a block-wide arg-max 11.7; one
 // warp inserting all 384 experts one compare-exchange after another 12.1 (bench/NOTES.md, step
 // 97): the time is the longest chain of dependent steps a warp waits on.
+//
+// MoeRoutingAndGrouping: the same kernel, whose last block to finish then groups the step's
+// pairs for MoeExperts (moe_grouping.cuh), one dependent kernel fewer on the MoE's critical path
+// (bench/NOTES.md, step 116).
 #include <cfloat>
 #include <cstdint>
 
 #include "grid_dependency.cuh"
+#include "moe_grouping.cuh"
+#include "moe_workspace.cuh"
 #include "programmatic_launch.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/status.h"
 #include "treeverify/kernels/top_k.h"
 
 namespace treeverify::kernels::cuda {
@@ -101,17 +108,14 @@ __device__ double BlockSum(double value, double* scratch) {
   return result;
 }
 
+// Block blockIdx.x's token: its top_k ids and weights.
 template <int kK>  // a power of two >= top_k
-__global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingParams p) {
+__device__ void RouteToken(const MoeRoutingParams& p) {
   __shared__ float scores[kMaxExperts];
   __shared__ float choice[kMaxExperts];
   __shared__ float group_scores[kMaxExperts];
   __shared__ bool group_kept[kMaxExperts];
   __shared__ double scratch[kRoutingThreads / 32];
-  // A programmatic dependent of the router's product (programmatic_launch.h): its launch hides
-  // behind the predecessor's tail.
-  WaitForPredecessorGrid();
-  AllowDependentGridLaunch();
   if (p.routed_tokens != nullptr && static_cast<int32_t>(blockIdx.x) >= *p.routed_tokens) {
     for (int32_t j = threadIdx.x; j < p.top_k; j += blockDim.x) {
       p.topk_ids[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = -1;
@@ -236,9 +240,62 @@ __global__ void __launch_bounds__(kRoutingThreads) MoeRoutingKernel(MoeRoutingPa
   }
 }
 
-}  // namespace
+// Where the last routing block groups the pairs (MoeRoutingAndGrouping); w.routing_arrivals is
+// null for MoeRouting alone.
+struct GroupTarget {
+  moe::Workspace w;
+  int32_t first_expert = 0;
+  int32_t num_local = 0;
+  int32_t* active_count = nullptr;
+};
 
-absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
+// The last block to arrive groups the ids every block wrote (each thread fences its writes
+// before its block arrives; the last one reads them from the L2) and zeroes the count for the
+// next launch: every other block has counted by then.
+__device__ void GroupIfLast(const MoeRoutingParams& p, const GroupTarget& g) {
+  extern __shared__ int32_t staged[];  // moe::GroupKernelSmemBytes
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(g.w.routing_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) *g.w.routing_arrivals = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  moe::GroupStaged<kRoutingThreads>(p.topk_ids, p.tokens, p.top_k, g.first_expert, g.num_local, g.w,
+                                    g.active_count, staged);
+}
+
+template <int kK>
+__global__ void __launch_bounds__(kRoutingThreads)
+    MoeRoutingKernel(MoeRoutingParams p, GroupTarget g) {
+  // A programmatic dependent of the router's product (programmatic_launch.h): its launch hides
+  // behind the predecessor's tail.
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
+  RouteToken<kK>(p);
+  if (g.w.routing_arrivals != nullptr) GroupIfLast(p, g);
+}
+
+// Shared memory the staged grouping may take beside the routing's own ~15 KB within the default
+// 48 KB a block.
+constexpr int64_t kMaxGroupingSmem = 32 * 1024;
+
+absl::Status LaunchRouting(const MoeRoutingParams& p, const GroupTarget& g, int64_t smem,
+                           cudaStream_t stream) {
+  const auto launch = [&](auto kernel) {
+    return LaunchKernel(kernel, dim3(static_cast<unsigned>(p.tokens)), dim3(kRoutingThreads), smem,
+                        stream, WaitsForPredecessor(kernel), "MoeRoutingKernel", p, g);
+  };
+  if (p.top_k <= 8) return launch(MoeRoutingKernel<8>);
+  if (p.top_k <= 16) return launch(MoeRoutingKernel<16>);
+  return launch(MoeRoutingKernel<32>);
+}
+
+// The routing's sizes and, where it has tokens, its pointers.
+absl::Status CheckRouting(const MoeRoutingParams& p) {
   const int32_t group_size = p.num_groups > 0 ? p.num_experts / p.num_groups : 0;
   if (p.num_experts <= 0 || p.num_experts > kMaxExperts || p.top_k <= 0 || p.top_k > kMaxTopK ||
       p.top_k > p.num_experts || p.num_groups <= 0 || p.num_experts % p.num_groups != 0 ||
@@ -254,18 +311,58 @@ absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
                      "; noaux_tc needs a correction bias and 2+ experts per "
                      "group, group-limited methods top_k <= topk_groups * group size"));
   }
-  if (p.tokens == 0) return absl::OkStatus();
-  if (p.router_logits == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr) {
+  if (p.tokens > 0 &&
+      (p.router_logits == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr)) {
     return absl::InvalidArgumentError(
         "cuda::MoeRouting: router_logits, topk_ids and topk_weights must be non-null");
   }
-  const auto launch = [&](auto kernel) {
-    return LaunchKernel(kernel, dim3(static_cast<unsigned>(p.tokens)), dim3(kRoutingThreads), 0,
-                        stream, WaitsForPredecessor(kernel), "MoeRoutingKernel", p);
-  };
-  if (p.top_k <= 8) return launch(MoeRoutingKernel<8>);
-  if (p.top_k <= 16) return launch(MoeRoutingKernel<16>);
-  return launch(MoeRoutingKernel<32>);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status MoeRouting(const MoeRoutingParams& p, cudaStream_t stream) {
+  TV_RETURN_IF_ERROR(CheckRouting(p));
+  if (p.tokens == 0) return absl::OkStatus();
+  return LaunchRouting(p, GroupTarget{}, 0, stream);
+}
+
+absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routing,
+                                                  const MoeExpertsParamsOf<Bf16, Bf16>& experts,
+                                                  void* workspace, int64_t workspace_bytes,
+                                                  cudaStream_t stream, int32_t* active_count) {
+  if (experts.topk_ids != routing.topk_ids || experts.tokens != routing.tokens ||
+      experts.top_k != routing.top_k || experts.first_expert < 0 ||
+      experts.num_local_experts <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::MoeRoutingAndGrouping: the experts must take the routing's ids (tokens ",
+        experts.tokens, " vs ", routing.tokens, ", top_k ", experts.top_k, " vs ", routing.top_k,
+        ") and hold experts [", experts.first_expert, ", +", experts.num_local_experts, ")"));
+  }
+  const int64_t smem =
+      moe::GroupKernelSmemBytes(routing.tokens * routing.top_k, experts.num_local_experts);
+  if (smem > kMaxGroupingSmem) {  // a prefill batch: MoeExperts groups it over chunks
+    TV_RETURN_IF_ERROR(MoeRouting(routing, stream));
+    return MoeGrouping::kInExperts;
+  }
+  const moe::Workspace w =
+      moe::Carve(workspace, experts.tokens, experts.top_k, experts.num_local_experts,
+                 experts.intermediate, experts.hidden);
+  if (workspace == nullptr || workspace_bytes < w.bytes ||
+      reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::MoeRoutingAndGrouping: needs a 256-byte aligned workspace of ", w.bytes,
+                     " bytes, got ", workspace_bytes));
+  }
+  TV_RETURN_IF_ERROR(CheckRouting(routing));
+  if (routing.tokens == 0) return MoeGrouping::kInExperts;
+  TV_RETURN_IF_ERROR(LaunchRouting(routing,
+                                   GroupTarget{.w = w,
+                                               .first_expert = experts.first_expert,
+                                               .num_local = experts.num_local_experts,
+                                               .active_count = active_count},
+                                   smem, stream));
+  return MoeGrouping::kInRouting;
 }
 
 }  // namespace treeverify::kernels::cuda

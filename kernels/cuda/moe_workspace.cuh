@@ -43,11 +43,13 @@ inline constexpr int kStageColumns = 64;
 // partial sums stay small beside the weights (a 4-stage down reduction is not parted). Few pairs
 // only, so the workspace stays small.
 inline constexpr int64_t kMaxPartedPairs = 512;
+inline constexpr int32_t kMaxReductionParts = 8;
 inline int32_t ReductionParts(int64_t pairs, int64_t rows, int64_t tile_rows, int64_t length) {
   if (pairs > kMaxPartedPairs) return 1;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   const int64_t stages = (length + kStageColumns - 1) / kStageColumns;
-  int64_t parts = std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, 8);
+  int64_t parts =
+      std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, kMaxReductionParts);
   // The walk gives part p the stages [p * per_part, (p + 1) * per_part) of the reduction: with
   // the bounds above every part has some, and this keeps it so whatever the bounds become.
   while (parts > 1 && (parts - 1) * ((stages + parts - 1) / parts) >= stages) --parts;
@@ -62,6 +64,9 @@ inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, in
 
 // Where the workspace's pieces are.
 struct Workspace {
+  // [1] routing blocks done (MoeRoutingAndGrouping: the last one groups and zeroes it); zero when
+  // the workspace is allocated (MoeExpertsWorkspaceBytes).
+  int32_t* routing_arrivals;
   int32_t* num_active;  // [1]
   // [2] the weight streams' next work items (gate/up, down), zeroed by the grouping.
   int32_t* claims;
@@ -94,6 +99,7 @@ inline Workspace Carve(void* base, int64_t tokens, int32_t top_k, int32_t num_lo
     offset += Align256(bytes);
     return piece;
   };
+  w.routing_arrivals = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   w.num_active = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
   w.claims = reinterpret_cast<int32_t*>(take(2 * sizeof(int32_t)));
   w.active = reinterpret_cast<int32_t*>(take(num_local * sizeof(int32_t)));

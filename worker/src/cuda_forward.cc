@@ -299,6 +299,9 @@ absl::Status CudaForward::Reserve(int64_t rows) {
                                                  capacity, static_cast<int32_t>(top_k),
                                                  static_cast<int32_t>(plan.experts.size()),
                                                  plan.expert_intermediate.size(), c.hidden_size)));
+    // Zero once: the routing counts its blocks there (cuda::MoeRoutingAndGrouping).
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.moe_workspace.get(), 0, a.moe_workspace.bytes(), stream_));
   }
   a.capacity = capacity;
   ++buffers_epoch_;  // graphs hold the old pointers
@@ -1061,7 +1064,7 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
   const absl::Status shared_done =
       shared ? GatedMlp(moe.shared, rows, a.shared_out.get(), side_stream(), side_gemm())
              : absl::OkStatus();
-  const absl::Status routed = Route(moe, rows);
+  const absl::StatusOr<cuda::MoeGrouping> routed = Route(moe, rows, active_count);
   absl::Status experts = absl::OkStatus();
   cudaEvent_t shared_ready = nullptr;  // none where the shared expert ran on stream_ itself
   if (shared && side_ != nullptr && shared_done.ok() && routed.ok()) {
@@ -1070,45 +1073,52 @@ absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t
     experts = ready.status();
   }
   if (shared_done.ok() && routed.ok() && experts.ok()) {
-    experts = RoutedExperts(moe, rows, active_count, shared_ready);
+    experts = RoutedExperts(moe, rows, active_count, shared_ready, *routed);
   }
   const absl::Status joined = shared ? JoinSide() : absl::OkStatus();
   TV_RETURN_IF_ERROR(shared_done);
-  TV_RETURN_IF_ERROR(routed);
+  TV_RETURN_IF_ERROR(routed.status());
   TV_RETURN_IF_ERROR(experts);
   return joined;
 }
 
-absl::Status CudaForward::RoutedExperts(const DeviceMoeWeights& moe, int64_t rows,
-                                        int32_t* active_count, cudaEvent_t shared_ready) {
+kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
+    const DeviceMoeWeights& moe, int64_t rows) const {
   const ModelConfig& c = weights_.config;
   const ShardingPlan& plan = weights_.plan;
-  Activations& a = activations_;
-  const int32_t top_k = static_cast<int32_t>(c.num_experts_per_tok);
+  const Activations& a = activations_;
   const bool shared = moe.shared.intermediate > 0;
-  return cuda::MoeExperts({.x = a.normed.get(),
-                           .topk_ids = a.topk_ids.get(),
-                           .topk_weights = a.topk_weights.get(),
-                           .gate_proj = moe.gate_ptrs.get(),
-                           .up_proj = moe.up_ptrs.get(),
-                           .down_proj = moe.down_ptrs.get(),
-                           .out = a.branch.get(),
-                           .tokens = rows,
-                           .top_k = top_k,
-                           .hidden = c.hidden_size,
-                           .intermediate = plan.expert_intermediate.size(),
-                           .first_expert = static_cast<int32_t>(plan.experts.begin),
-                           .num_local_experts = static_cast<int32_t>(plan.experts.size()),
-                           .shared_out = shared ? a.shared_out.get() : nullptr,
-                           .packed_gate = moe.gate.get(),
-                           .packed_up = moe.up.get(),
-                           .packed_down = moe.down.get()},
-                          a.moe_workspace.get(), a.moe_workspace.size(), stream_, active_count,
-                          shared_ready);
+  return {.x = a.normed.get(),
+          .topk_ids = a.topk_ids.get(),
+          .topk_weights = a.topk_weights.get(),
+          .gate_proj = moe.gate_ptrs.get(),
+          .up_proj = moe.up_ptrs.get(),
+          .down_proj = moe.down_ptrs.get(),
+          .out = a.branch.get(),
+          .tokens = rows,
+          .top_k = static_cast<int32_t>(c.num_experts_per_tok),
+          .hidden = c.hidden_size,
+          .intermediate = plan.expert_intermediate.size(),
+          .first_expert = static_cast<int32_t>(plan.experts.begin),
+          .num_local_experts = static_cast<int32_t>(plan.experts.size()),
+          .shared_out = shared ? a.shared_out.get() : nullptr,
+          .packed_gate = moe.gate.get(),
+          .packed_up = moe.up.get(),
+          .packed_down = moe.down.get()};
 }
 
-// The router's logits and each row's top-k experts and weights.
-absl::Status CudaForward::Route(const DeviceMoeWeights& moe, int64_t rows) {
+absl::Status CudaForward::RoutedExperts(const DeviceMoeWeights& moe, int64_t rows,
+                                        int32_t* active_count, cudaEvent_t shared_ready,
+                                        cuda::MoeGrouping grouping) {
+  Activations& a = activations_;
+  return cuda::MoeExperts(ExpertsParams(moe, rows), a.moe_workspace.get(), a.moe_workspace.size(),
+                          stream_, active_count, shared_ready, grouping);
+}
+
+// The router's logits and each row's top-k experts and weights; at verify sizes the experts'
+// grouping in the routing's kernel.
+absl::StatusOr<cuda::MoeGrouping> CudaForward::Route(const DeviceMoeWeights& moe, int64_t rows,
+                                                     int32_t* active_count) {
   const ModelConfig& c = weights_.config;
   Activations& a = activations_;
   const int32_t experts = static_cast<int32_t>(c.n_routed_experts);
@@ -1120,7 +1130,7 @@ absl::Status CudaForward::Route(const DeviceMoeWeights& moe, int64_t rows) {
                                  .n = experts,
                                  .k = c.hidden_size},
                                 stream_));
-  return cuda::MoeRouting(
+  return cuda::MoeRoutingAndGrouping(
       {.router_logits = a.router_logits.get(),
        .correction_bias = moe.correction_bias.size() > 0 ? moe.correction_bias.get() : nullptr,
        .topk_ids = a.topk_ids.get(),
@@ -1135,7 +1145,8 @@ absl::Status CudaForward::Route(const DeviceMoeWeights& moe, int64_t rows) {
        .normalize = c.norm_topk_prob,
        .routed_scaling_factor = static_cast<float>(c.routed_scaling_factor),
        .routed_tokens = inputs_.routed_rows},
-      stream_);
+      ExpertsParams(moe, rows), a.moe_workspace.get(), a.moe_workspace.size(), stream_,
+      active_count);
 }
 
 }  // namespace treeverify::worker

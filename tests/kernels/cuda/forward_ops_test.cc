@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -892,6 +893,116 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
   }
 }
 
+// The routing's last block groups the pairs (MoeRoutingAndGrouping) exactly as MoeExperts' own
+// grouping does: the same ids, weights, active count and output bytes, launch after launch (the
+// block count returns to zero), with padding rows; and a prefill batch's entries, too many for
+// the staged grouping, are left to MoeExperts.
+struct RouteAndGroupCase {
+  int64_t tokens;
+  int32_t experts, first_expert, local_experts;
+  int32_t routed;  // rows routed (the rest pad a graph's shape)
+  MoeGrouping expected;
+};
+
+TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
+  const unsigned seed = 512;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int32_t top_k = 8;
+  const int64_t hidden = 256, intermediate = 64;
+  for (const RouteAndGroupCase& c : {
+           // Kimi-K2's router under split inside (every expert local), 16 rows of which 13 route.
+           RouteAndGroupCase{16, 384, 0, 384, 13, MoeGrouping::kInRouting},
+           // Whole experts: this rank holds [96, 192).
+           RouteAndGroupCase{16, 384, 96, 96, 16, MoeGrouping::kInRouting},
+           // 1100 x 8 entries: past the staged grouping's shared memory.
+           RouteAndGroupCase{1100, 64, 0, 64, 1100, MoeGrouping::kInExperts},
+       }) {
+    SCOPED_TRACE(testing::Message() << c.tokens << " tokens, experts [" << c.first_expert << ", +"
+                                    << c.local_experts << ")");
+    DeviceBuffer<float> d_logits(c.tokens * c.experts), d_bias(c.experts),
+        d_weights(c.tokens * top_k), d_out(c.tokens * hidden);
+    DeviceBuffer<int32_t> d_ids(c.tokens * top_k), d_routed(1), d_active(1);
+    d_logits.CopyFrom(Random(rng, c.tokens * c.experts, 2.0f));
+    d_bias.CopyFrom(Random(rng, c.experts, 0.1f));
+    d_routed.CopyFrom({c.routed});
+    DeviceBuffer<Bf16> d_x(c.tokens * hidden);
+    d_x.CopyFrom(ToBf16(Random(rng, c.tokens * hidden)));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hidden));
+    const int64_t matrix = intermediate * hidden;
+    DeviceBuffer<Bf16> d_gate(c.local_experts * matrix), d_up(c.local_experts * matrix),
+        d_down(c.local_experts * matrix);
+    d_gate.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
+    d_up.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
+    d_down.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
+    std::vector<const Bf16*> gate, up, down;
+    for (int32_t e = 0; e < c.local_experts; ++e) {
+      gate.push_back(d_gate.get() + e * matrix);
+      up.push_back(d_up.get() + e * matrix);
+      down.push_back(d_down.get() + e * matrix);
+    }
+    DeviceBuffer<const Bf16*> d_gate_ptrs(gate.size()), d_up_ptrs(up.size()),
+        d_down_ptrs(down.size());
+    d_gate_ptrs.CopyFrom(gate);
+    d_up_ptrs.CopyFrom(up);
+    d_down_ptrs.CopyFrom(down);
+    const MoeRoutingParams routing{.router_logits = d_logits.get(),
+                                   .correction_bias = d_bias.get(),
+                                   .topk_ids = d_ids.get(),
+                                   .topk_weights = d_weights.get(),
+                                   .tokens = c.tokens,
+                                   .num_experts = c.experts,
+                                   .top_k = top_k,
+                                   .routed_scaling_factor = 2.5f,
+                                   .routed_tokens = d_routed.get()};
+    const MoeExpertsParamsOf<Bf16, Bf16> experts{.x = d_x.get(),
+                                                 .topk_ids = d_ids.get(),
+                                                 .topk_weights = d_weights.get(),
+                                                 .gate_proj = d_gate_ptrs.get(),
+                                                 .up_proj = d_up_ptrs.get(),
+                                                 .down_proj = d_down_ptrs.get(),
+                                                 .out = d_out.get(),
+                                                 .tokens = c.tokens,
+                                                 .top_k = top_k,
+                                                 .hidden = hidden,
+                                                 .intermediate = intermediate,
+                                                 .first_expert = c.first_expert,
+                                                 .num_local_experts = c.local_experts,
+                                                 .packed_gate = d_gate.get(),
+                                                 .packed_up = d_up.get(),
+                                                 .packed_down = d_down.get()};
+    const int64_t bytes =
+        MoeExpertsWorkspaceBytes(c.tokens, top_k, c.local_experts, intermediate, hidden);
+    DeviceBuffer<uint8_t> workspace(bytes);
+    ASSERT_EQ(cudaMemset(workspace.get(), 0, bytes), cudaSuccess);
+
+    ASSERT_TRUE(MoeRouting(routing, nullptr).ok());
+    ASSERT_TRUE(MoeExperts(experts, workspace.get(), bytes, nullptr, d_active.get()).ok());
+    const std::vector<int32_t> ids = d_ids.ToHost();
+    const std::vector<float> weights = d_weights.ToHost(), out = d_out.ToHost();
+    const int32_t active = d_active.ToHost()[0];
+    EXPECT_GT(active, 0);
+    for (int launch = 0; launch < 3; ++launch) {
+      SCOPED_TRACE(testing::Message() << "launch " << launch);
+      ASSERT_EQ(cudaMemset(d_out.get(), 0xff, d_out.bytes()), cudaSuccess);  // NaNs
+      ASSERT_EQ(cudaMemset(d_active.get(), 0, sizeof(int32_t)), cudaSuccess);
+      const absl::StatusOr<MoeGrouping> grouping =
+          MoeRoutingAndGrouping(routing, experts, workspace.get(), bytes, nullptr, d_active.get());
+      ASSERT_TRUE(grouping.ok()) << grouping.status();
+      EXPECT_EQ(*grouping, c.expected);
+      ASSERT_TRUE(
+          MoeExperts(experts, workspace.get(), bytes, nullptr, d_active.get(), nullptr, *grouping)
+              .ok());
+      EXPECT_EQ(d_ids.ToHost(), ids);
+      EXPECT_EQ(d_weights.ToHost(), weights);
+      EXPECT_EQ(d_active.ToHost()[0], active);
+      const std::vector<float> again = d_out.ToHost();
+      ASSERT_EQ(again.size(), out.size());
+      EXPECT_EQ(std::memcmp(again.data(), out.data(), out.size() * sizeof(float)), 0);
+    }
+  }
+}
+
 // The summary of the same fp32 logits on both backends: greedy fields, the Gumbel winner and the
 // candidates equal; the log-sum-exps (double sums in another order) within an ulp or two.
 TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
@@ -1042,6 +1153,22 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   too_many.tokens = 65536;  // the combine's grid
   EXPECT_EQ(MoeExperts(too_many, workspace, 256, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
+  // Routing and grouping together: the experts must read the routing's ids, into a workspace
+  // large enough.
+  int32_t other_ids_buffer = 0;
+  MoeRoutingParams routed = routing;
+  routed.top_k = 2;
+  routed.tokens = 4;
+  routed.topk_ids = &other_ids_buffer;
+  const absl::StatusOr<MoeGrouping> other_ids =
+      MoeRoutingAndGrouping(routed, experts, workspace, needed, nullptr);
+  EXPECT_EQ(other_ids.status().code(), absl::StatusCode::kInvalidArgument);
+  routed.topk_ids = &ids;  // the experts' ids
+  const absl::StatusOr<MoeGrouping> too_small =
+      MoeRoutingAndGrouping(routed, experts, workspace, 256, nullptr);
+  EXPECT_EQ(too_small.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_small.status().message()),
+              testing::HasSubstr(std::to_string(needed)));
 }
 
 }  // namespace

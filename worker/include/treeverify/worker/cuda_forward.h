@@ -32,6 +32,7 @@
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/kernels/cuda/gemm.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
+#include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/worker/communicator.h"
 #include "treeverify/worker/cuda_kv_storage.h"
 #include "treeverify/worker/device_array.h"
@@ -220,10 +221,15 @@ class CudaForward final : public ForwardBackend {
                         kernels::cuda::GemmRunner& gemm);
   // active_count (device): where the MoE grouping writes the layer's active experts, or null.
   absl::Status Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count);
-  // The routed experts and the combine (shared_ready: see cuda::MoeExperts).
+  // The routed experts' op params for this layer and batch.
+  kernels::MoeExpertsParamsOf<kernels::cuda::Bf16, kernels::cuda::Bf16> ExpertsParams(
+      const DeviceMoeWeights& moe, int64_t rows) const;
+  // The routed experts and the combine (shared_ready and grouping: see cuda::MoeExperts).
   absl::Status RoutedExperts(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count,
-                             cudaEvent_t shared_ready);
-  absl::Status Route(const DeviceMoeWeights& moe, int64_t rows);
+                             cudaEvent_t shared_ready, kernels::cuda::MoeGrouping grouping);
+  // The router's product, the routing and, at verify sizes, the experts' grouping.
+  absl::StatusOr<kernels::cuda::MoeGrouping> Route(const DeviceMoeWeights& moe, int64_t rows,
+                                                   int32_t* active_count);
   // The side branch (side_stream.h): forked from and joined to stream_, or stream_ itself.
   absl::Status ForkSide();
   absl::Status JoinSide();

@@ -9,7 +9,8 @@
 // has) stays in device memory, so one launch sequence serves any routing and a CUDA graph can
 // replay it:
 //   1. grouping (one block; three kernels over chunks of entries for prefill batches): each local
-//      expert's (token, slot) pairs in token order, and the list of active experts;
+//      expert's (token, slot) pairs in token order, and the list of active experts; at verify
+//      sizes MoeRoutingAndGrouping does it in the routing's kernel, by its last block;
 //   2. gate and up: silu(gate . x) * (up . x) for the expert's tokens (tensor cores on sm_80 and
 //      later where the reductions come in 32-element chunks, CUDA cores otherwise);
 //   3. down: the expert's output per (token, slot);
@@ -27,9 +28,11 @@
 // in a fixed order, so the bytes do not depend on which block took it.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
-//                                            hidden);
-//   TV_RETURN_IF_ERROR(MoeRouting(routing_params, stream));
-//   TV_RETURN_IF_ERROR(MoeExperts(expert_params, workspace, bytes, stream));
+//                                            hidden);  // allocated once, zeroed
+//   TV_ASSIGN_OR_RETURN(MoeGrouping grouping, MoeRoutingAndGrouping(routing_params,
+//                                             expert_params, workspace, bytes, stream));
+//   TV_RETURN_IF_ERROR(MoeExperts(expert_params, workspace, bytes, stream, nullptr, nullptr,
+//                                 grouping));
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,6 +40,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/bf16.h"
 #include "treeverify/kernels/moe.h"
 
@@ -44,9 +48,28 @@ namespace treeverify::kernels::cuda {
 
 absl::Status MoeRouting(const MoeRoutingParams& params, cudaStream_t stream);
 
-// Device memory MoeExperts needs for these sizes (256-byte aligned pieces).
+// Device memory MoeExperts needs for these sizes (256-byte aligned pieces). Zero it once when
+// allocating: MoeRoutingAndGrouping counts its blocks in it, and leaves the count zero.
 int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_local_experts,
                                  int64_t intermediate, int64_t hidden);
+
+// Who grouped the experts' (token, slot) pairs by expert.
+enum class MoeGrouping {
+  kInExperts,  // MoeExperts does, as its first kernel(s)
+  kInRouting,  // MoeRoutingAndGrouping did, into the workspace MoeExperts is given
+};
+
+// MoeRouting and, at a verify step's sizes (the staged grouping's shared memory within 32 KB:
+// 128 entries and 384 local experts take 2 KB), the grouping MoeExperts would begin with, by the
+// last routing block to finish: one dependent kernel fewer before the expert streams. `experts`
+// must read the routing's ids (same topk_ids, tokens and top_k) and the workspace is the one it
+// will be given (zeroed when allocated). Returns kInRouting where it grouped, kInExperts where it
+// only routed (a prefill batch): pass it on to MoeExperts.
+absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routing,
+                                                  const MoeExpertsParamsOf<Bf16, Bf16>& experts,
+                                                  void* workspace, int64_t workspace_bytes,
+                                                  cudaStream_t stream,
+                                                  int32_t* active_count = nullptr);
 
 // gate_proj, up_proj and down_proj are device arrays of device pointers, each expert's matrix
 // 16-byte aligned (the kernels read 16-byte pieces; the device arrays cannot be checked from the
@@ -55,9 +78,11 @@ int64_t MoeExpertsWorkspaceBytes(int64_t tokens, int32_t top_k, int32_t num_loca
 // least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
 // is set, the number of local experts with tokens is written there (step accounting). If
 // shared_ready is set, shared_out may still be being written on another stream until that event
-// completes: the combine, its only reader, waits for it (and only the combine).
+// completes: the combine, its only reader, waits for it (and only the combine). With kInRouting
+// the pairs are already grouped in the workspace (and active_count written there, if asked).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
                         int64_t workspace_bytes, cudaStream_t stream,
-                        int32_t* active_count = nullptr, cudaEvent_t shared_ready = nullptr);
+                        int32_t* active_count = nullptr, cudaEvent_t shared_ready = nullptr,
+                        MoeGrouping grouping = MoeGrouping::kInExperts);
 
 }  // namespace treeverify::kernels::cuda
