@@ -53,7 +53,7 @@ gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
 # environment (tests/integration/replica.cc), as is the source tree (the golden fixtures).
 gpu_programs=(services/treeverify-coordinator services/treeverify-worker)
 gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_bench
-             bench/gemm_algo_probe bench/phase_stream_probe)
+             bench/gemm_algo_probe bench/phase_stream_probe bench/weight_layout_probe)
 # Small cases for compute-sanitizer, as test binary:gtest filter. memcheck and synccheck gate on
 # every kernel. racecheck gates on the narrow and portable kernels and their merges (clean since
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck

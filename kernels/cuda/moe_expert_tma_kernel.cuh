@@ -385,8 +385,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 
 // activated = silu(gate) * up from the blocks' partial sums, added in part order. A thread per
 // (grouped pair, row); pairs past the step's count return. Every part's sums are loaded before
-// the first add and before the count is known (the partial sums are allocated for every pair a
-// step may have): one trip to the L2 instead of one per part (bench/NOTES.md, step 116).
+// the first add: one trip to the L2 instead of one per part (bench/NOTES.md, step 116).
 __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
   // Allows the down stream to launch before this waits: down's blocks then take the gate/up
   // stream's places as they free and issue their first weight boxes (ExpertTmaKernel).
@@ -394,7 +393,7 @@ __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int3
   WaitForPredecessorGrid();
   const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t pair = index / p.intermediate, row = index % p.intermediate;
-  if (pair >= p.tokens * p.top_k) return;
+  if (pair >= w.offsets[p.num_local_experts]) return;
   const int64_t stride = p.tokens * p.top_k * 2 * p.intermediate;
   const float* sums = w.gate_up_parts + pair * 2 * p.intermediate + row;
   float gate[kMaxReductionParts], up[kMaxReductionParts];
@@ -403,7 +402,6 @@ __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int3
     gate[part] = part < block_parts ? sums[part * stride] : 0.0f;
     up[part] = part < block_parts ? sums[part * stride + p.intermediate] : 0.0f;
   }
-  if (pair >= w.offsets[p.num_local_experts]) return;
   float gate_sum = gate[0], up_sum = up[0];
 #pragma unroll
   for (int32_t part = 1; part < kMaxReductionParts; ++part) {

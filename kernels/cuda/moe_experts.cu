@@ -42,11 +42,8 @@ using moe::Workspace;
 constexpr int64_t kGemmMinTokens = 512;
 
 // out[t] = sum over the token's local experts, ascending id, of weight * output (its down parts
-// added in part order); then + shared. Block (token, 256 hidden dims). A thread's loads do not
-// depend on each other (an output's place is its slot's, whichever expert the slot holds), so
-// they are issued kSlotsAtOnce slots at a time before the first add: one trip to the L2 instead
-// of one per slot (bench/NOTES.md, step 116).
-constexpr int kSlotsAtOnce = 8;
+// added in part order); then + shared. Block (token, 256 hidden dims): every thread's top_k loads
+// are independent.
 __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t down_parts) {
   WaitForPredecessorGrid();
   AllowDependentGridLaunch();
@@ -55,31 +52,18 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int
   if (h >= p.hidden) return;
   const int32_t* ids = p.topk_ids + token * p.top_k;
   const float* weights = p.topk_weights + token * p.top_k;
-  const int64_t part_stride = p.tokens * p.top_k * p.hidden;
-  const float shared = p.shared_out != nullptr ? p.shared_out[token * p.hidden + h] : 0.0f;
   float sum = 0.0f;
-  for (int32_t first = 0; first < p.top_k; first += kSlotsAtOnce) {
-    bool local[kSlotsAtOnce];
-    float value[kSlotsAtOnce], weight[kSlotsAtOnce];
-#pragma unroll
-    for (int s = 0; s < kSlotsAtOnce; ++s) {
-      const int32_t j = first + s;
-      const int32_t e = j < p.top_k ? ids[j] - p.first_expert : -1;
-      local[s] = e >= 0 && e < p.num_local_experts;
-      // Slots of other ranks' experts hold no output: read, never added.
-      value[s] = j < p.top_k ? w.expert_out[(token * p.top_k + j) * p.hidden + h] : 0.0f;
-      weight[s] = j < p.top_k ? weights[j] : 0.0f;
+  for (int32_t j = 0; j < p.top_k; ++j) {
+    const int32_t local = ids[j] - p.first_expert;
+    if (local < 0 || local >= p.num_local_experts) continue;
+    const float* parts = w.expert_out + (token * p.top_k + j) * p.hidden + h;
+    float value = parts[0];
+    for (int32_t part = 1; part < down_parts; ++part) {
+      value = __fadd_rn(value, parts[part * p.tokens * p.top_k * p.hidden]);
     }
-#pragma unroll
-    for (int s = 0; s < kSlotsAtOnce; ++s) {
-      if (!local[s]) continue;
-      float v = value[s];
-      const float* parts = w.expert_out + (token * p.top_k + first + s) * p.hidden + h;
-      for (int32_t part = 1; part < down_parts; ++part) v = __fadd_rn(v, parts[part * part_stride]);
-      sum = __fadd_rn(sum, __fmul_rn(v, weight[s]));
-    }
+    sum = __fadd_rn(sum, __fmul_rn(value, weights[j]));
   }
-  if (p.shared_out != nullptr) sum = __fadd_rn(sum, shared);
+  if (p.shared_out != nullptr) sum = __fadd_rn(sum, p.shared_out[token * p.hidden + h]);
   p.out[token * p.hidden + h] = sum;
 }
 
