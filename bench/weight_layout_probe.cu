@@ -222,8 +222,8 @@ int main(int argc, char** argv) {
       if (repeat >= 3) times.push_back(1000.0 * ms);  // after 3 warm-ups
     }
     const double us = Median(times);
-    std::snprintf(line, sizeof(line), "| %s | %.1f | %.1f | %.2f | %.0f %% |\n", v.name, bytes / 1e6,
-                  us, bytes / us / 1e6, 100.0 * (bytes / *copy) / (us / 1e6));
+    std::snprintf(line, sizeof(line), "| %s | %.1f | %.1f | %.2f | %.0f %% |\n", v.name,
+                  bytes / 1e6, us, bytes / us / 1e6, 100.0 * (bytes / *copy) / (us / 1e6));
     table += line;
   }
   std::fputs(table.c_str(), stdout);
