@@ -20,6 +20,7 @@
 #include "mma_sync_primitives.cuh"
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
+#include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
@@ -56,19 +57,24 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
     mma::CpAsync16(stage + r * kGemmRowBytes + c * 16, row + column + c * 8, valid);
   }
   uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
+  const MoeTileLayout layout = kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
+                                       : DownTileLayout(p.hidden, p.intermediate);
+  const bool tiled = p.packed_gate != nullptr;  // MoeExperts checks all three or none
   for (int i = threadIdx.x; i < kGemmWeightRows * (kGemmK / 8); i += kGemmThreads) {
     const int r = i / (kGemmK / 8), c = i % (kGemmK / 8);
-    const Bf16* matrix;
-    int64_t row;
-    if constexpr (kGateUp) {  // rows 0..63 gate, 64..127 up, of the same 64 columns
-      matrix = r < kGemmWeightRows / 2 ? p.gate_proj[expert] : p.up_proj[expert];
-      row = weight_row0 + r % (kGemmWeightRows / 2);
+    const bool up = kGateUp && r >= kGemmWeightRows / 2;  // rows 64..127: up, of the same rows
+    const int64_t row = weight_row0 + (kGateUp ? r % (kGemmWeightRows / 2) : r);
+    const Bf16* source;
+    if (tiled) {  // the 16-byte unit's place in its tile (moe_tiles.h)
+      const Bf16* tiles = !kGateUp ? p.packed_down : up ? p.packed_up : p.packed_gate;
+      source = tiles + layout.Offset(expert, row, column + c * 8);
     } else {
-      matrix = p.down_proj[expert];
-      row = weight_row0 + r;
+      const Bf16* matrix = !kGateUp ? p.down_proj[expert]
+                           : up     ? p.up_proj[expert]
+                                    : p.gate_proj[expert];
+      source = matrix + row * length + column + c * 8;
     }
-    mma::CpAsync16(weights + r * kGemmRowBytes + c * 16, matrix + row * length + column + c * 8,
-                   true);
+    mma::CpAsync16(weights + r * kGemmRowBytes + c * 16, source, true);
   }
 }
 

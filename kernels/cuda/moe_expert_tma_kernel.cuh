@@ -1,16 +1,17 @@
 // The MoE expert projections at verify sizes on sm_90 and later: the active experts' weights
-// stream through shared memory as TMA boxes, once per group of up to 32 of their tokens, into
+// stream through shared memory by bulk copies, once per group of up to 32 of their tokens, into
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate).
 //
 // A verify step reads each active expert's weights and does almost nothing else, so the kernel is
 // a copy pipeline whose cost is the SM instructions it spends per byte (bench/NOTES.md, steps
-// 89-90). One producer warp walks the block's stages: per stage its lane 0 issues the weight box
-// (128 rows x 64 columns; for gate/up two boxes, 64 rows of gate and the same 64 rows of up) and
-// the warp gathers the group's token rows with cp.async; both land on the stage's `full`
-// mbarrier, beside a ticket that tells the consumers what the stage is. Eight consumer warps each
-// own 16 of the stage's rows across its 64 columns (four k-steps), so a warp's sums are complete
-// at the last stage of an item's group: there is no cross-warp reduction, and the consumers never
-// walk. Slots return to the producer through `empty` mbarriers, one arrival per consumer thread.
+// 89-90) and the DRAM's rate for the bytes it asks for (step 117). One producer warp walks the
+// block's stages: per stage its lane 0 issues the weight tile (128 rows x 64 columns; for gate/up
+// two tiles, 64 rows of gate and the same 64 rows of up) and the warp gathers the group's token
+// rows with cp.async; both land on the stage's `full` mbarrier, beside a ticket that tells the
+// consumers what the stage is. Eight consumer warps each own 16 of the stage's rows across its 64
+// columns (four k-steps), so a warp's sums are complete at the last stage of an item's group:
+// there is no cross-warp reduction, and the consumers never walk. Slots return to the producer
+// through `empty` mbarriers, one arrival per consumer thread.
 //
 // Gate/up: a consumer's 16-row tile is 8 rows of gate (fragment rows 0-7) over the same 8 rows of
 // up (rows 8-15), so a thread holds gate and up of one row and token: silu(gate) * up in
@@ -22,10 +23,11 @@
 // of w.expert_out for the combine), so that few active experts still fill the machine. An expert
 // with more than 32 pairs streams its tile once per group of 32.
 //
-// The weights are read through 2D tensor maps over a layer's packed experts ([experts * rows,
-// columns]): expert e's row r is map row e * rows + r. Boxes that run past an expert's rows read
-// the next expert's (or zeros past the tensor); those rows' sums are not stored. Columns past the
-// reduction's end are zeros in both operands (TMA's out-of-bounds fill, cp.async's zero fill).
+// The weights come packed as the stage holds them (treeverify/kernels/cuda/moe_tiles.h): each
+// tile 8 or 16 KB, already in the 128-byte swizzle, an item's tiles one after another, so a stage
+// is one bulk copy per matrix and an item one run of memory. Rows past an expert's and columns
+// past the reduction's end are zeros in the tiles; the token rows' columns past it are
+// cp.async's zero fill.
 #pragma once
 
 #include <cuda.h>
@@ -39,6 +41,7 @@
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
 #include "sm90_primitives.cuh"
+#include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/moe.h"
 
 namespace treeverify::kernels::cuda::moe {
@@ -54,6 +57,9 @@ inline constexpr int kTmaStageBytes = kTmaWeightBytes + kTmaTokens * kTmaCols * 
 static_assert(kTmaStageBytes % 1024 == 0);  // every tile starts a 128-byte swizzle pattern
 // ReductionParts counts the items and stages so.
 static_assert(kTmaRows / 2 == kGateUpTileRows && kTmaRows == kDownTileRows);
+// A stage's tiles are the packed ones (moe_tiles.h).
+static_assert(GateUpTileLayout(0, 0).tile_rows == kTmaRows / 2 &&
+              DownTileLayout(0, 0).tile_rows == kTmaRows && MoeTileLayout::kColumns == kTmaCols);
 static_assert(kTmaCols == kStageColumns);
 
 // What a stage holds, from the producer to the consumers (16 bytes beside each slot).
@@ -192,14 +198,13 @@ struct ExpertWalk {
   bool done_ = false;
 };
 
-// Gate/up (kGateUp: first_map gate, up_map up; out: silu(gate) * up, or the block part's sums)
-// or down (first_map down, up_map unused; out: fp32 per entry) for every active expert, through
+// Gate/up (kGateUp: from p.packed_gate and p.packed_up; out: silu(gate) * up, or the block part's
+// sums) or down (from p.packed_down; out: fp32 per entry) for every active expert, through
 // `stages` slots.
 template <bool kGateUp>
 __global__ void __launch_bounds__(kTmaThreads, 2)
-    ExpertTmaKernel(const __grid_constant__ CUtensorMap first_map,
-                    const __grid_constant__ CUtensorMap up_map, MoeExpertsParamsOf<Bf16, Bf16> p,
-                    Workspace w, int32_t block_parts, int32_t stages) {
+    ExpertTmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts,
+                    int32_t stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* slots = sm90::AlignSharedUp<1024>(smem_raw);
@@ -229,10 +234,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 
   if (producer) {
     // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
-    if (lane == 0) {
-      sm90::PrefetchTensorMap(&first_map);
-      if constexpr (kGateUp) sm90::PrefetchTensorMap(&up_map);
-    }
+    const MoeTileLayout layout = kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
+                                         : DownTileLayout(p.hidden, p.intermediate);
     // A stage's ticket and weight boxes, once its slot is free (lane 0; the full barrier then
     // waits for the token rows' 32 arrivals).
     auto issue_weights = [&](int32_t stage, bool more, const ExpertWalk& at) {
@@ -246,10 +249,13 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
       if (more) {
         uint8_t* weights = slots + slot * kTmaStageBytes;
-        const int32_t y = at.expert * at.rows_total + at.row0;
-        sm90::TmaLoad2d(weights, &first_map, at.k0, y, &full[slot]);
+        const int64_t tile = layout.TileOffset(at.expert, at.tile, at.k0 / kTmaCols);
         if constexpr (kGateUp) {
-          sm90::TmaLoad2d(weights + kTmaWeightBytes / 2, &up_map, at.k0, y, &full[slot]);
+          sm90::BulkLoad(weights, p.packed_gate + tile, kTmaWeightBytes / 2, &full[slot]);
+          sm90::BulkLoad(weights + kTmaWeightBytes / 2, p.packed_up + tile, kTmaWeightBytes / 2,
+                         &full[slot]);
+        } else {
+          sm90::BulkLoad(weights, p.packed_down + tile, kTmaWeightBytes, &full[slot]);
         }
       }
     };

@@ -17,7 +17,6 @@
 #include "moe_grouping_kernels.cuh"
 #include "moe_workspace.cuh"
 #include "programmatic_launch.h"
-#include "tensor_map.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/status.h"
@@ -105,23 +104,12 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
   const int64_t up_items = most_active * ((p.intermediate + up_rows - 1) / up_rows) * parts;
   const int32_t down_parts = moe::DownParts(p.tokens, p.top_k, p.intermediate, p.hidden);
   const int64_t down_items = most_active * ((p.hidden + down_rows - 1) / down_rows) * down_parts;
-  // The walk counts map rows in 32 bits, and items too, with claims up to twice the items.
-  const int64_t map_rows = int64_t{p.num_local_experts} * std::max(p.hidden, p.intermediate);
-  if (map_rows + down_rows > 0x7fffffff || std::max(up_items, down_items) > 0x3fffffff) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda::MoeExperts: ", p.num_local_experts, " local experts of ", p.hidden,
-                     " x ", p.intermediate, " make more than 2^31 rows or 2^30 work items"));
+  // The walk counts items in 32 bits, with claims up to twice the items.
+  if (std::max(up_items, down_items) > 0x3fffffff) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda::MoeExperts: ", p.num_local_experts,
+                                                   " local experts of ", p.hidden, " x ",
+                                                   p.intermediate, " make more than 2^30 items"));
   }
-  TV_ASSIGN_OR_RETURN(const CUtensorMap gate_map,
-                      MakeBf16TensorMap2d(p.packed_gate, p.num_local_experts * p.intermediate,
-                                          p.hidden, p.hidden, static_cast<int32_t>(up_rows)));
-  TV_ASSIGN_OR_RETURN(const CUtensorMap up_map,
-                      MakeBf16TensorMap2d(p.packed_up, p.num_local_experts * p.intermediate,
-                                          p.hidden, p.hidden, static_cast<int32_t>(up_rows)));
-  TV_ASSIGN_OR_RETURN(
-      const CUtensorMap down_map,
-      MakeBf16TensorMap2d(p.packed_down, p.num_local_experts * p.hidden, p.intermediate,
-                          p.intermediate, static_cast<int32_t>(down_rows)));
   TV_ASSIGN_OR_RETURN(const TmaPlan plan, PlanTmaKernels(device));
   const int smem = moe::TmaSmemBytes(plan.stages);
   for (auto* kernel : {ExpertTmaKernel<true>, ExpertTmaKernel<false>}) {
@@ -137,20 +125,20 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
   // Each a programmatic dependent of the one before (programmatic_launch.h): launch and set-up
   // overlap.
   const bool overlap = WaitsForPredecessor(ExpertTmaKernel<true>);
-  TV_RETURN_IF_ERROR(
-      LaunchKernel(ExpertTmaKernel<true>, dim3(static_cast<unsigned>(std::min(blocks, up_items))),
-                   dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts gate/up stream",
-                   gate_map, up_map, p, w, parts, plan.stages));
+  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<true>,
+                                  dim3(static_cast<unsigned>(std::min(blocks, up_items))),
+                                  dim3(moe::kTmaThreads), smem, stream, overlap,
+                                  "MoeExperts gate/up stream", p, w, parts, plan.stages));
   if (parts > 1) {
     const int64_t values = p.tokens * p.top_k * p.intermediate;
     TV_RETURN_IF_ERROR(LaunchKernel(moe::FinishGateUp,
                                     dim3(static_cast<unsigned>((values + 255) / 256)), dim3(256), 0,
                                     stream, overlap, "MoeExperts FinishGateUp", p, w, parts));
   }
-  TV_RETURN_IF_ERROR(LaunchKernel(
-      ExpertTmaKernel<false>, dim3(static_cast<unsigned>(std::min(blocks, down_items))),
-      dim3(moe::kTmaThreads), smem, stream, overlap, "MoeExperts down stream", down_map, down_map,
-      p, w, down_parts, plan.stages));
+  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<false>,
+                                  dim3(static_cast<unsigned>(std::min(blocks, down_items))),
+                                  dim3(moe::kTmaThreads), smem, stream, overlap,
+                                  "MoeExperts down stream", p, w, down_parts, plan.stages));
   return down_parts;
 }
 
@@ -180,11 +168,13 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
                      p.first_expert, ", +", p.num_local_experts, ")"));
   }
   if (p.tokens == 0) return absl::OkStatus();
-  if (p.x == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr ||
-      p.gate_proj == nullptr || p.up_proj == nullptr || p.down_proj == nullptr ||
-      p.out == nullptr) {
+  const bool tiled = p.packed_gate != nullptr && p.packed_up != nullptr && p.packed_down != nullptr;
+  const bool pointers = p.gate_proj != nullptr && p.up_proj != nullptr && p.down_proj != nullptr;
+  if (p.x == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr || p.out == nullptr ||
+      (!tiled && !pointers)) {
     return absl::InvalidArgumentError(
-        "cuda::MoeExperts: x, topk_ids, topk_weights, the projections and out must be non-null");
+        "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (packed tiles or "
+        "pointer arrays) must be non-null");
   }
   const Workspace w =
       Carve(workspace, p.tokens, p.top_k, p.num_local_experts, p.intermediate, p.hidden);
@@ -245,13 +235,18 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   int32_t down_parts = 1;  // the weight stream's may split down's reduction
-  // TMA boxes where the experts are packed and both reductions are rows of whole 16-byte pieces
-  // of at least one box (every production shape), on sm_90 and later; the CUDA-core kernels
-  // otherwise.
-  const bool tma_path = compute_major >= 9 && p.packed_gate != nullptr && p.packed_up != nullptr &&
-                        p.packed_down != nullptr && p.hidden % 8 == 0 && p.intermediate % 8 == 0 &&
-                        p.hidden >= moe::kTmaCols && p.intermediate >= moe::kTmaCols &&
+  // The weight stream where the experts come as tiles, on sm_90 and later (bulk copies) with
+  // token rows of whole 16-byte pieces (every production shape); the CUDA-core kernels, which
+  // read the pointer arrays, otherwise.
+  const bool tma_path = tiled && MoeTilesReadable(p.hidden, p.intermediate, compute_major) &&
                         reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  if (!tma_path && !pointers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::MoeExperts: packed tiles are read on sm_90 and later with hidden and intermediate "
+        "multiples of 8 and x 16-byte aligned (compute capability ",
+        compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
+        "); otherwise the pointer arrays are needed"));
+  }
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
   // per 64 of its tokens rather than per 16.
   if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&

@@ -1091,9 +1091,9 @@ kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
   return {.x = a.normed.get(),
           .topk_ids = a.topk_ids.get(),
           .topk_weights = a.topk_weights.get(),
-          .gate_proj = moe.gate_ptrs.get(),
-          .up_proj = moe.up_ptrs.get(),
-          .down_proj = moe.down_ptrs.get(),
+          .gate_proj = moe.tiled ? nullptr : moe.gate_ptrs.get(),
+          .up_proj = moe.tiled ? nullptr : moe.up_ptrs.get(),
+          .down_proj = moe.tiled ? nullptr : moe.down_ptrs.get(),
           .out = a.branch.get(),
           .tokens = rows,
           .top_k = static_cast<int32_t>(c.num_experts_per_tok),
@@ -1102,9 +1102,9 @@ kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
           .first_expert = static_cast<int32_t>(plan.experts.begin),
           .num_local_experts = static_cast<int32_t>(plan.experts.size()),
           .shared_out = shared ? a.shared_out.get() : nullptr,
-          .packed_gate = moe.gate.get(),
-          .packed_up = moe.up.get(),
-          .packed_down = moe.down.get()};
+          .packed_gate = moe.tiled ? moe.gate.get() : nullptr,
+          .packed_up = moe.tiled ? moe.up.get() : nullptr,
+          .packed_down = moe.tiled ? moe.down.get() : nullptr};
 }
 
 absl::Status CudaForward::RoutedExperts(const DeviceMoeWeights& moe, int64_t rows,

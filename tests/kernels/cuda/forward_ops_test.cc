@@ -24,6 +24,7 @@
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
@@ -731,11 +732,51 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
   }
 }
 
+// The weight stream's tiles (moe_tiles.h): every element of every expert in a place of its own,
+// each 16-byte unit of 8 elements kept together at unit (c / 8 % 8) ^ (r % 8) of its tile row,
+// an expert's tiles in (row tile, chunk) order, and the padding past the matrix zero. No GPU.
+TEST(MoeTilesTest, PackExpertTilesPlacesEveryElementOnce) {
+  for (const MoeTileLayout& layout : {GateUpTileLayout(70, 130), DownTileLayout(200, 72)}) {
+    SCOPED_TRACE(testing::Message() << layout.rows << " x " << layout.cols);
+    const int64_t experts = 3;
+    ASSERT_EQ(layout.ExpertElements(),
+              layout.RowTiles() * layout.Chunks() * layout.tile_rows * MoeTileLayout::kColumns);
+    // Small integers, exact in bf16, none zero: 1..200 by element.
+    auto value = [&](int64_t e, int64_t r, int64_t c) {
+      return static_cast<float>((e * 7 + r * 3 + c) % 200 + 1);
+    };
+    const std::vector<Bf16> tiles = PackExpertTiles(experts, layout, value);
+    ASSERT_EQ(static_cast<int64_t>(tiles.size()), experts * layout.ExpertElements());
+    std::vector<bool> used(tiles.size(), false);
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t r = 0; r < layout.rows; ++r) {
+        for (int64_t c = 0; c < layout.cols; ++c) {
+          const int64_t at = layout.Offset(e, r, c);
+          ASSERT_GE(at, 0);
+          ASSERT_LT(at, static_cast<int64_t>(tiles.size()));
+          ASSERT_FALSE(used[at]) << e << " " << r << " " << c;
+          used[at] = true;
+          EXPECT_EQ(__bfloat162float(tiles[at]), value(e, r, c));
+          const int64_t tile = layout.TileOffset(e, r / layout.tile_rows, c / 64);
+          const int64_t in_row = at - tile - (r % layout.tile_rows) * 64;
+          EXPECT_EQ(in_row / 8, (c % 64 / 8) ^ (r % 8));
+          EXPECT_EQ(in_row % 8, c % 8);
+        }
+      }
+    }
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      if (!used[i]) {
+        ASSERT_EQ(__bfloat162float(tiles[i]), 0.0f) << "padding at " << i;
+      }
+    }
+  }
+}
+
 struct ExpertsCase {
   int64_t tokens, hidden, intermediate;
   int32_t top_k, experts, first_expert, local_experts;
   bool shared;
-  bool packed = true;  // the experts also as one allocation per matrix (the TMA kernels' input)
+  bool packed = true;  // the experts also as the weight stream's tiles (moe_tiles.h)
 };
 
 TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
@@ -760,7 +801,8 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // of the next expert), and a down reduction that ends inside a stage (96 of 128).
            ExpertsCase{12, 4160, 96, 4, 8, 0, 8, false},
            // Gate/up reductions that end inside a stage (200 = 3 x 64 + 8; 4104 = 64 x 64 + 8
-           // in 8 parts): TMA's zero fill past the weights' columns, cp.async's past x's.
+           // in 8 parts): the tiles' zero padding past the weights' columns, cp.async's zero
+           // fill past x's.
            ExpertsCase{12, 200, 96, 4, 8, 0, 8, false},
            ExpertsCase{12, 4104, 96, 4, 8, 0, 8, false},
            // ~133 pairs per expert: the weight stream's token groups of 32, the last partial,
@@ -776,6 +818,7 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
            // tiles, in both shardings.
            ExpertsCase{600, 256, 128, 4, 12, 0, 12, true},
            ExpertsCase{700, 384, 192, 3, 12, 4, 6, false},
+           ExpertsCase{600, 256, 128, 4, 12, 0, 12, true, false},  // from the pointer arrays
            // More entries than the one-block grouping stages (8192): the chunked grouping, under
            // the grouped GEMM and under the CUDA-core kernels.
            ExpertsCase{2100, 128, 64, 4, 12, 0, 12, true},
@@ -832,14 +875,23 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
 
     DeviceBuffer<Bf16> d_x(x.size());
     d_x.CopyFrom(ToBf16(x));
-    // Each kind of matrix in one allocation, expert after expert, as the worker holds them.
-    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_packed;
+    // Each kind of matrix in one allocation, expert after expert, with pointers to each (the
+    // CUDA-core kernels' and the grouped GEMM's input); and in the weight stream's tiles, as the
+    // worker holds them on sm_90 and later.
+    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_packed, d_tiles;
     std::vector<const Bf16*> d_gate, d_up, d_down;
     for (auto* matrices : {&gate, &up, &down}) {
       std::vector<float> all;
       for (const std::vector<float>& m : *matrices) all.insert(all.end(), m.begin(), m.end());
       d_packed.push_back(std::make_unique<DeviceBuffer<Bf16>>(all.size()));
       d_packed.back()->CopyFrom(ToBf16(all));
+      const MoeTileLayout layout = matrices == &down ? DownTileLayout(c.hidden, c.intermediate)
+                                                     : GateUpTileLayout(c.intermediate, c.hidden);
+      const std::vector<Bf16> tiles = PackExpertTiles(
+          c.local_experts, layout,
+          [&](int64_t e, int64_t r, int64_t col) { return (*matrices)[e][r * layout.cols + col]; });
+      d_tiles.push_back(std::make_unique<DeviceBuffer<Bf16>>(tiles.size()));
+      d_tiles.back()->CopyFrom(tiles);
     }
     for (int32_t e = 0; e < c.local_experts; ++e) {
       d_gate.push_back(d_packed[0]->get() + e * gate[e].size());
@@ -875,9 +927,9 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
         .first_expert = c.first_expert,
         .num_local_experts = c.local_experts,
         .shared_out = c.shared ? d_shared.get() : nullptr,
-        .packed_gate = c.packed ? d_packed[0]->get() : nullptr,
-        .packed_up = c.packed ? d_packed[1]->get() : nullptr,
-        .packed_down = c.packed ? d_packed[2]->get() : nullptr};
+        .packed_gate = c.packed ? d_tiles[0]->get() : nullptr,
+        .packed_up = c.packed ? d_tiles[1]->get() : nullptr,
+        .packed_down = c.packed ? d_tiles[2]->get() : nullptr};
     ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
     // The activations between the projections are bf16 on the GPU: allow their rounding,
     // relative to the size of the output.
@@ -888,6 +940,18 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
     const std::vector<float> first = d_out.ToHost();
     ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
     EXPECT_EQ(d_out.ToHost(), first);
+    if (c.packed && MoeTilesReadable(c.hidden, c.intermediate, 9)) {
+      // The tiles alone, as the worker holds them on sm_90 and later: the same bytes.
+      MoeExpertsParamsOf<Bf16, Bf16> tiles_only = params;
+      tiles_only.gate_proj = tiles_only.up_proj = tiles_only.down_proj = nullptr;
+      ASSERT_TRUE(MoeExperts(tiles_only, workspace.get(), bytes, nullptr).ok());
+      EXPECT_EQ(d_out.ToHost(), first);
+    } else if (c.packed) {  // tiles the stream cannot read (rows of 16-byte pieces): refused
+      MoeExpertsParamsOf<Bf16, Bf16> tiles_only = params;
+      tiles_only.gate_proj = tiles_only.up_proj = tiles_only.down_proj = nullptr;
+      EXPECT_EQ(MoeExperts(tiles_only, workspace.get(), bytes, nullptr).code(),
+                absl::StatusCode::kInvalidArgument);
+    }
     EXPECT_EQ(MoeExperts(params, workspace.get(), bytes - 1, nullptr).code(),
               absl::StatusCode::kInvalidArgument);
   }
@@ -928,24 +992,16 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
     d_routed.CopyFrom({c.routed});
     DeviceBuffer<Bf16> d_x(c.tokens * hidden);
     d_x.CopyFrom(ToBf16(Random(rng, c.tokens * hidden)));
+    // The experts as the weight stream's tiles (their values random: the layout does not matter
+    // to the comparison).
     const float scale = 1.0f / std::sqrt(static_cast<float>(hidden));
-    const int64_t matrix = intermediate * hidden;
-    DeviceBuffer<Bf16> d_gate(c.local_experts * matrix), d_up(c.local_experts * matrix),
-        d_down(c.local_experts * matrix);
-    d_gate.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
-    d_up.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
-    d_down.CopyFrom(ToBf16(Random(rng, c.local_experts * matrix, scale)));
-    std::vector<const Bf16*> gate, up, down;
-    for (int32_t e = 0; e < c.local_experts; ++e) {
-      gate.push_back(d_gate.get() + e * matrix);
-      up.push_back(d_up.get() + e * matrix);
-      down.push_back(d_down.get() + e * matrix);
-    }
-    DeviceBuffer<const Bf16*> d_gate_ptrs(gate.size()), d_up_ptrs(up.size()),
-        d_down_ptrs(down.size());
-    d_gate_ptrs.CopyFrom(gate);
-    d_up_ptrs.CopyFrom(up);
-    d_down_ptrs.CopyFrom(down);
+    const int64_t gate_up_elements = GateUpTileLayout(intermediate, hidden).ExpertElements();
+    const int64_t down_elements = DownTileLayout(hidden, intermediate).ExpertElements();
+    DeviceBuffer<Bf16> d_gate(c.local_experts * gate_up_elements),
+        d_up(c.local_experts * gate_up_elements), d_down(c.local_experts * down_elements);
+    d_gate.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up_elements, scale)));
+    d_up.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up_elements, scale)));
+    d_down.CopyFrom(ToBf16(Random(rng, c.local_experts * down_elements, scale)));
     const MoeRoutingParams routing{.router_logits = d_logits.get(),
                                    .correction_bias = d_bias.get(),
                                    .topk_ids = d_ids.get(),
@@ -958,9 +1014,6 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
     const MoeExpertsParamsOf<Bf16, Bf16> experts{.x = d_x.get(),
                                                  .topk_ids = d_ids.get(),
                                                  .topk_weights = d_weights.get(),
-                                                 .gate_proj = d_gate_ptrs.get(),
-                                                 .up_proj = d_up_ptrs.get(),
-                                                 .down_proj = d_down_ptrs.get(),
                                                  .out = d_out.get(),
                                                  .tokens = c.tokens,
                                                  .top_k = top_k,

@@ -63,10 +63,10 @@ struct MoeExpertsParamsOf {
   int32_t first_expert = 0;
   int32_t num_local_experts = 0;
   const float* shared_out = nullptr;  // [tokens, hidden], added last when set (shared experts)
-  // Optional: the same matrices packed in one allocation each, expert after expert
-  // ([num_local_experts * intermediate, hidden] for gate and up, [num_local_experts * hidden,
-  // intermediate] for down). Where given, the GPU reads the experts as one tensor each (TMA tensor
-  // maps, bench/NOTES.md step 90); the CPU reads the pointer arrays only.
+  // GPU only, optional: the same matrices in one allocation each, in the GPU weight stream's
+  // tiles (treeverify/kernels/cuda/moe_tiles.h: GateUpTileLayout for gate and up, DownTileLayout
+  // for down). Where given, the GPU reads the experts from them, and the pointer arrays may be
+  // null; the CPU reads the pointer arrays only.
   const Weight* packed_gate = nullptr;
   const Weight* packed_up = nullptr;
   const Weight* packed_down = nullptr;

@@ -18,14 +18,15 @@
 //      expert id, then the shared experts' output.
 // From 512 tokens on (prefill chunks, or verify batches as large), steps 2 and 3 are a grouped
 // GEMM over tiles of 64 pairs of one expert (mma.sync, cp.async stages), the tiles listed by the
-// grouping. Otherwise, on sm_90 and later with the experts packed (params.packed_*), steps 2 and
-// 3 stream only the active experts' weights through shared memory as TMA boxes (a producer warp,
-// eight mma warps, persistent blocks claiming (active expert, row tile, block part) items one at
-// a time), each row once per group of up to 32 tokens; without packed experts or before sm_90,
-// CUDA-core kernels. At verify sizes (a few tokens per expert) the phase is a weight-streaming
-// problem: its floor is the active experts' bytes over the copy bandwidth. No sum depends on
-// scheduling: the only global atomics hand out work items, and each item's sums are one block's
-// in a fixed order, so the bytes do not depend on which block took it.
+// grouping. Otherwise, on sm_90 and later with the experts as tiles (params.packed_*,
+// moe_tiles.h), steps 2 and 3 stream only the active experts' weights through shared memory, a
+// bulk copy per tile (a producer warp, eight mma warps, persistent blocks claiming (active expert,
+// row tile, block part) items one at a time), each row once per group of up to 32 tokens; without
+// tiles or before sm_90, CUDA-core kernels. At verify sizes (a few tokens per expert) the phase is
+// a weight-streaming problem: its floor is the active experts' bytes over the copy bandwidth. No
+// sum depends on scheduling: the global atomics only hand out work items and count arrivals, and
+// each item's sums are one block's in a fixed order, so the bytes do not depend on which block
+// took it.
 //
 //   int64_t bytes = MoeExpertsWorkspaceBytes(tokens, top_k, num_local_experts, intermediate,
 //                                            hidden);  // allocated once, zeroed
@@ -47,6 +48,13 @@
 namespace treeverify::kernels::cuda {
 
 absl::Status MoeRouting(const MoeRoutingParams& params, cudaStream_t stream);
+
+// Whether MoeExperts' weight stream reads experts of these sizes as tiles (moe_tiles.h) on a
+// device of this compute capability: sm_90 and later, hidden and intermediate multiples of 8 (the
+// token rows' 16-byte pieces). Where not, the experts go as pointer arrays.
+inline bool MoeTilesReadable(int64_t hidden, int64_t intermediate, int compute_major) {
+  return compute_major >= 9 && hidden % 8 == 0 && intermediate % 8 == 0;
+}
 
 // Device memory MoeExperts needs for these sizes (256-byte aligned pieces). Zero it once when
 // allocating: MoeRoutingAndGrouping counts its blocks in it, and leaves the count zero.
@@ -71,10 +79,12 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
                                                   cudaStream_t stream,
                                                   int32_t* active_count = nullptr);
 
-// gate_proj, up_proj and down_proj are device arrays of device pointers, each expert's matrix
-// 16-byte aligned (the kernels read 16-byte pieces; the device arrays cannot be checked from the
-// host, cudaMalloc's alignment is 256); packed_gate, packed_up and packed_down, where set, must
-// describe the same matrices (also not checkable from the host). workspace holds at
+// The experts come as tiles (packed_gate, packed_up and packed_down: moe_tiles.h's layouts, each
+// allocation 16-byte aligned), read by the weight stream on sm_90 and later where hidden and
+// intermediate are multiples of 8, and by the grouped GEMM; or as pointer arrays (gate_proj,
+// up_proj and down_proj: device arrays of device pointers to row-major matrices, each 16-byte
+// aligned), read by the grouped GEMM and the CUDA-core kernels. Given both, they must describe
+// the same matrices (neither can be checked from the host). workspace holds at
 // least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
 // is set, the number of local experts with tokens is written there (step accounting). If
 // shared_ready is set, shared_out may still be being written on another stream until that event
