@@ -33,6 +33,11 @@ inline constexpr int kGemmRowBytes = kGemmK * 2 + 16;  // one staged row, padded
 inline constexpr int kGemmStageBytes = (kGemmPairs + kGemmWeightRows) * kGemmRowBytes;
 inline constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes;
 
+// A stage's weight rows are one tile of each matrix where the experts come as tiles.
+static_assert(kGemmK == MoeTileLayout::kColumns &&
+              GateUpTileLayout(0, 0).tile_rows == kGemmWeightRows / 2 &&
+              DownTileLayout(0, 0).tile_rows == kGemmWeightRows);
+
 // Whether the grouped GEMM takes these shapes: whole stages of the reduction and whole tiles of
 // the outputs (every production shape; the weight-streaming kernels take the rest).
 inline bool GemmFits(int64_t hidden, int64_t intermediate) {
@@ -57,18 +62,22 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
     mma::CpAsync16(stage + r * kGemmRowBytes + c * 16, row + column + c * 8, valid);
   }
   uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
+  // With tiles (MoeExperts checks all three or none), the stage's rows are one tile of each
+  // matrix (moe_tiles.h): 64 of gate and of up, or 128 of down, at the stage's chunk.
+  const bool tiled = p.packed_gate != nullptr;
   const MoeTileLayout layout = kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
                                        : DownTileLayout(p.hidden, p.intermediate);
-  const bool tiled = p.packed_gate != nullptr;  // MoeExperts checks all three or none
+  const int64_t tile = layout.TileOffset(expert, weight_row0 / layout.tile_rows, chunk);
   for (int i = threadIdx.x; i < kGemmWeightRows * (kGemmK / 8); i += kGemmThreads) {
     const int r = i / (kGemmK / 8), c = i % (kGemmK / 8);
     const bool up = kGateUp && r >= kGemmWeightRows / 2;  // rows 64..127: up, of the same rows
-    const int64_t row = weight_row0 + (kGateUp ? r % (kGemmWeightRows / 2) : r);
+    const int in_tile = kGateUp ? r % (kGemmWeightRows / 2) : r;
     const Bf16* source;
-    if (tiled) {  // the 16-byte unit's place in its tile (moe_tiles.h)
+    if (tiled) {
       const Bf16* tiles = !kGateUp ? p.packed_down : up ? p.packed_up : p.packed_gate;
-      source = tiles + layout.Offset(expert, row, column + c * 8);
+      source = tiles + tile + MoeTileLayout::UnitInTile(in_tile, c);
     } else {
+      const int64_t row = weight_row0 + in_tile;
       const Bf16* matrix = !kGateUp ? p.down_proj[expert]
                            : up     ? p.up_proj[expert]
                                     : p.gate_proj[expert];

@@ -23,11 +23,11 @@
 // of w.expert_out for the combine), so that few active experts still fill the machine. An expert
 // with more than 32 pairs streams its tile once per group of 32.
 //
-// The weights come packed as the stage holds them (treeverify/kernels/cuda/moe_tiles.h): each
-// tile 8 or 16 KB, already in the 128-byte swizzle, an item's tiles one after another, so a stage
-// is one bulk copy per matrix and an item one run of memory. Rows past an expert's and columns
-// past the reduction's end are zeros in the tiles; the token rows' columns past it are
-// cp.async's zero fill.
+// The weights come packed as the stage holds them (treeverify/kernels/cuda/moe_tiles.h): 16 KB a
+// stage (a down tile, or a gate tile and the same tile of up), already in the 128-byte swizzle,
+// an item's stages one after another, so a stage is one bulk copy and an item one run of memory.
+// Rows past an expert's and columns past the reduction's end are zeros in the tiles; the token
+// rows' columns past it are cp.async's zero fill.
 #pragma once
 
 #include <cuda.h>
@@ -249,14 +249,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
       if (more) {
         uint8_t* weights = slots + slot * kTmaStageBytes;
+        // Gate/up: the gate tile and, right after it, the same tile of up (interleaved).
         const int64_t tile = layout.TileOffset(at.expert, at.tile, at.k0 / kTmaCols);
-        if constexpr (kGateUp) {
-          sm90::BulkLoad(weights, p.packed_gate + tile, kTmaWeightBytes / 2, &full[slot]);
-          sm90::BulkLoad(weights + kTmaWeightBytes / 2, p.packed_up + tile, kTmaWeightBytes / 2,
-                         &full[slot]);
-        } else {
-          sm90::BulkLoad(weights, p.packed_down + tile, kTmaWeightBytes, &full[slot]);
-        }
+        sm90::BulkLoad(weights, (kGateUp ? p.packed_gate : p.packed_down) + tile, kTmaWeightBytes,
+                       &full[slot]);
       }
     };
     // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier.

@@ -19,6 +19,7 @@
 #include "programmatic_launch.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cuda {
@@ -175,6 +176,12 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     return absl::InvalidArgumentError(
         "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (packed tiles or "
         "pointer arrays) must be non-null");
+  }
+  if (tiled &&
+      p.packed_up != p.packed_gate + GateUpTileLayout(p.intermediate, p.hidden).TileElements()) {
+    return absl::InvalidArgumentError(
+        "cuda::MoeExperts: the up tiles are interleaved with the gate tiles: packed_up must be "
+        "packed_gate + one tile (moe_tiles.h)");
   }
   const Workspace w =
       Carve(workspace, p.tokens, p.top_k, p.num_local_experts, p.intermediate, p.hidden);

@@ -14,6 +14,7 @@
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/mha_prefill_attention.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
 #include "treeverify/kernels/cuda/rope.h"
 #include "treeverify/kernels/status.h"
@@ -1103,7 +1104,11 @@ kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
           .num_local_experts = static_cast<int32_t>(plan.experts.size()),
           .shared_out = shared ? a.shared_out.get() : nullptr,
           .packed_gate = moe.tiled ? moe.gate.get() : nullptr,
-          .packed_up = moe.tiled ? moe.up.get() : nullptr,
+          .packed_up = moe.tiled
+                           ? moe.gate.get() + cuda::GateUpTileLayout(
+                                                  plan.expert_intermediate.size(), c.hidden_size)
+                                                  .TileElements()
+                           : nullptr,
           .packed_down = moe.tiled ? moe.down.get() : nullptr};
 }
 

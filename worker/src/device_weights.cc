@@ -56,12 +56,15 @@ absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
   return kernels::cuda::MoeTilesReadable(hidden, intermediate, major);
 }
 
-// Per-expert row-major matrices in the weight stream's tiles.
-absl::StatusOr<DeviceArray<Bf16>> PackTiles(const std::vector<std::vector<float>>& matrices,
-                                            const kernels::cuda::MoeTileLayout& layout) {
+// Per-expert row-major matrices in the weight stream's tiles: `matrices[m]` is interleaved
+// matrix m of every expert (gate and up, or down alone).
+absl::StatusOr<DeviceArray<Bf16>> PackTiles(
+    const std::vector<const std::vector<std::vector<float>>*>& matrices,
+    const kernels::cuda::MoeTileLayout& layout) {
   return Copy(kernels::cuda::PackExpertTiles(
-      static_cast<int64_t>(matrices.size()), layout, [&](int64_t e, int64_t r, int64_t c) {
-        return matrices[static_cast<size_t>(e)][static_cast<size_t>(r * layout.cols + c)];
+      static_cast<int64_t>(matrices[0]->size()), layout,
+      [&](int m, int64_t e, int64_t r, int64_t c) {
+        return (*matrices[m])[static_cast<size_t>(e)][static_cast<size_t>(r * layout.cols + c)];
       }));
 }
 
@@ -132,12 +135,11 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     const int64_t intermediate = weights.plan.expert_intermediate.size();
     TV_ASSIGN_OR_RETURN(out.moe.tiled, ExpertsAsTiles(hidden, intermediate));
     if (out.moe.tiled) {
-      const kernels::cuda::MoeTileLayout gate_up =
-          kernels::cuda::GateUpTileLayout(intermediate, hidden);
-      TV_ASSIGN_OR_RETURN(out.moe.gate, PackTiles(moe.gate_proj, gate_up));
-      TV_ASSIGN_OR_RETURN(out.moe.up, PackTiles(moe.up_proj, gate_up));
-      TV_ASSIGN_OR_RETURN(out.moe.down, PackTiles(moe.down_proj, kernels::cuda::DownTileLayout(
-                                                                     hidden, intermediate)));
+      TV_ASSIGN_OR_RETURN(out.moe.gate,
+                          PackTiles({&moe.gate_proj, &moe.up_proj},
+                                    kernels::cuda::GateUpTileLayout(intermediate, hidden)));
+      TV_ASSIGN_OR_RETURN(out.moe.down, PackTiles({&moe.down_proj}, kernels::cuda::DownTileLayout(
+                                                                        hidden, intermediate)));
     } else {
       TV_RETURN_IF_ERROR(Pack(moe.gate_proj, out.moe.gate, out.moe.gate_ptrs));
       TV_RETURN_IF_ERROR(Pack(moe.up_proj, out.moe.up, out.moe.up_ptrs));
@@ -180,22 +182,19 @@ class RandomTensors {
     TV_ASSIGN_OR_RETURN(mlp.down, Projection(hidden, intermediate));
     return mlp;
   }
-  // `count` matrices of rows x fan_in in one array: as the weight stream's tiles (`layout`; the
-  // values random whatever their place, the padding of shapes that need it too), or row-major
-  // with their pointers.
-  absl::Status Experts(int64_t count, const kernels::cuda::MoeTileLayout& layout, bool tiled,
-                       DeviceArray<Bf16>& packed, DeviceArray<const Bf16*>& pointers) {
-    const int64_t rows = layout.rows, fan_in = layout.cols;
-    if (tiled) {
-      TV_ASSIGN_OR_RETURN(packed, Uniform(count * layout.ExpertElements(),
-                                          std::sqrt(3.0 / static_cast<double>(fan_in))));
-      return absl::OkStatus();
-    }
+  // `count` matrices of rows x fan_in in one array, and their pointers.
+  absl::Status Experts(int64_t count, int64_t rows, int64_t fan_in, DeviceArray<Bf16>& packed,
+                       DeviceArray<const Bf16*>& pointers) {
     TV_ASSIGN_OR_RETURN(packed, Projection(count * rows, fan_in));
     std::vector<const Bf16*> starts;
     for (int64_t e = 0; e < count; ++e) starts.push_back(packed.get() + e * rows * fan_in);
     TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
     return absl::OkStatus();
+  }
+  // `count` experts' matrices as the weight stream's tiles (the values random whatever their
+  // place, the padding of shapes that need it too).
+  absl::StatusOr<DeviceArray<Bf16>> Tiles(int64_t count, const kernels::cuda::MoeTileLayout& l) {
+    return Uniform(count * l.ExpertElements(), std::sqrt(3.0 / static_cast<double>(l.cols)));
   }
 
  private:
@@ -254,9 +253,14 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     const kernels::cuda::MoeTileLayout gate_up =
         kernels::cuda::GateUpTileLayout(intermediate, hidden);
     const kernels::cuda::MoeTileLayout down = kernels::cuda::DownTileLayout(hidden, intermediate);
-    TV_RETURN_IF_ERROR(random.Experts(local, gate_up, moe.tiled, moe.gate, moe.gate_ptrs));
-    TV_RETURN_IF_ERROR(random.Experts(local, gate_up, moe.tiled, moe.up, moe.up_ptrs));
-    TV_RETURN_IF_ERROR(random.Experts(local, down, moe.tiled, moe.down, moe.down_ptrs));
+    if (moe.tiled) {  // gate and up interleaved in `gate`
+      TV_ASSIGN_OR_RETURN(moe.gate, random.Tiles(local, gate_up));
+      TV_ASSIGN_OR_RETURN(moe.down, random.Tiles(local, down));
+    } else {
+      TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.gate, moe.gate_ptrs));
+      TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.up, moe.up_ptrs));
+      TV_RETURN_IF_ERROR(random.Experts(local, hidden, intermediate, moe.down, moe.down_ptrs));
+    }
     TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
   }
   const std::vector<float> inv_freq = c.rope_inv_freq();

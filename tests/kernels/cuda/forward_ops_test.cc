@@ -732,35 +732,39 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
   }
 }
 
-// The weight stream's tiles (moe_tiles.h): every element of every expert in a place of its own,
-// each 16-byte unit of 8 elements kept together at unit (c / 8 % 8) ^ (r % 8) of its tile row,
-// an expert's tiles in (row tile, chunk) order, and the padding past the matrix zero. No GPU.
+// The weight stream's tiles (moe_tiles.h): every element of every expert's matrices in a place
+// of its own, each 16-byte unit of 8 elements kept together at unit (c / 8 % 8) ^ (r % 8) of its
+// tile row, an expert's tiles in (row tile, chunk) order with gate's and up's alternating, and the
+// padding past the matrices zero. No GPU.
 TEST(MoeTilesTest, PackExpertTilesPlacesEveryElementOnce) {
   for (const MoeTileLayout& layout : {GateUpTileLayout(70, 130), DownTileLayout(200, 72)}) {
     SCOPED_TRACE(testing::Message() << layout.rows << " x " << layout.cols);
     const int64_t experts = 3;
-    ASSERT_EQ(layout.ExpertElements(),
-              layout.RowTiles() * layout.Chunks() * layout.tile_rows * MoeTileLayout::kColumns);
+    ASSERT_EQ(layout.ExpertElements(), layout.RowTiles() * layout.Chunks() * layout.tile_rows *
+                                           MoeTileLayout::kColumns * layout.interleave);
     // Small integers, exact in bf16, none zero: 1..200 by element.
-    auto value = [&](int64_t e, int64_t r, int64_t c) {
-      return static_cast<float>((e * 7 + r * 3 + c) % 200 + 1);
+    auto value = [&](int m, int64_t e, int64_t r, int64_t c) {
+      return static_cast<float>((m * 11 + e * 7 + r * 3 + c) % 200 + 1);
     };
     const std::vector<Bf16> tiles = PackExpertTiles(experts, layout, value);
     ASSERT_EQ(static_cast<int64_t>(tiles.size()), experts * layout.ExpertElements());
     std::vector<bool> used(tiles.size(), false);
-    for (int64_t e = 0; e < experts; ++e) {
-      for (int64_t r = 0; r < layout.rows; ++r) {
-        for (int64_t c = 0; c < layout.cols; ++c) {
-          const int64_t at = layout.Offset(e, r, c);
-          ASSERT_GE(at, 0);
-          ASSERT_LT(at, static_cast<int64_t>(tiles.size()));
-          ASSERT_FALSE(used[at]) << e << " " << r << " " << c;
-          used[at] = true;
-          EXPECT_EQ(__bfloat162float(tiles[at]), value(e, r, c));
-          const int64_t tile = layout.TileOffset(e, r / layout.tile_rows, c / 64);
-          const int64_t in_row = at - tile - (r % layout.tile_rows) * 64;
-          EXPECT_EQ(in_row / 8, (c % 64 / 8) ^ (r % 8));
-          EXPECT_EQ(in_row % 8, c % 8);
+    for (int m = 0; m < layout.interleave; ++m) {
+      for (int64_t e = 0; e < experts; ++e) {
+        for (int64_t r = 0; r < layout.rows; ++r) {
+          for (int64_t c = 0; c < layout.cols; ++c) {
+            const int64_t at = layout.Offset(e, r, c) + m * layout.TileElements();
+            ASSERT_GE(at, 0);
+            ASSERT_LT(at, static_cast<int64_t>(tiles.size()));
+            ASSERT_FALSE(used[at]) << m << " " << e << " " << r << " " << c;
+            used[at] = true;
+            EXPECT_EQ(__bfloat162float(tiles[at]), value(m, e, r, c));
+            const int64_t tile =
+                layout.TileOffset(e, r / layout.tile_rows, c / 64) + m * layout.TileElements();
+            const int64_t in_row = at - tile - (r % layout.tile_rows) * 64;
+            EXPECT_EQ(in_row / 8, (c % 64 / 8) ^ (r % 8));
+            EXPECT_EQ(in_row % 8, c % 8);
+          }
         }
       }
     }
@@ -878,21 +882,25 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
     // Each kind of matrix in one allocation, expert after expert, with pointers to each (the
     // CUDA-core kernels' and the grouped GEMM's input); and in the weight stream's tiles, as the
     // worker holds them on sm_90 and later.
-    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_packed, d_tiles;
+    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_packed;
     std::vector<const Bf16*> d_gate, d_up, d_down;
     for (auto* matrices : {&gate, &up, &down}) {
       std::vector<float> all;
       for (const std::vector<float>& m : *matrices) all.insert(all.end(), m.begin(), m.end());
       d_packed.push_back(std::make_unique<DeviceBuffer<Bf16>>(all.size()));
       d_packed.back()->CopyFrom(ToBf16(all));
-      const MoeTileLayout layout = matrices == &down ? DownTileLayout(c.hidden, c.intermediate)
-                                                     : GateUpTileLayout(c.intermediate, c.hidden);
-      const std::vector<Bf16> tiles = PackExpertTiles(
-          c.local_experts, layout,
-          [&](int64_t e, int64_t r, int64_t col) { return (*matrices)[e][r * layout.cols + col]; });
-      d_tiles.push_back(std::make_unique<DeviceBuffer<Bf16>>(tiles.size()));
-      d_tiles.back()->CopyFrom(tiles);
     }
+    const MoeTileLayout gate_up_layout = GateUpTileLayout(c.intermediate, c.hidden);
+    const MoeTileLayout down_layout = DownTileLayout(c.hidden, c.intermediate);
+    DeviceBuffer<Bf16> d_gate_up_tiles(c.local_experts * gate_up_layout.ExpertElements()),
+        d_down_tiles(c.local_experts * down_layout.ExpertElements());
+    d_gate_up_tiles.CopyFrom(PackExpertTiles(c.local_experts, gate_up_layout,
+                                             [&](int m, int64_t e, int64_t r, int64_t col) {
+                                               return (m == 0 ? gate : up)[e][r * c.hidden + col];
+                                             }));
+    d_down_tiles.CopyFrom(PackExpertTiles(
+        c.local_experts, down_layout,
+        [&](int, int64_t e, int64_t r, int64_t col) { return down[e][r * c.intermediate + col]; }));
     for (int32_t e = 0; e < c.local_experts; ++e) {
       d_gate.push_back(d_packed[0]->get() + e * gate[e].size());
       d_up.push_back(d_packed[1]->get() + e * up[e].size());
@@ -927,9 +935,9 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
         .first_expert = c.first_expert,
         .num_local_experts = c.local_experts,
         .shared_out = c.shared ? d_shared.get() : nullptr,
-        .packed_gate = c.packed ? d_tiles[0]->get() : nullptr,
-        .packed_up = c.packed ? d_tiles[1]->get() : nullptr,
-        .packed_down = c.packed ? d_tiles[2]->get() : nullptr};
+        .packed_gate = c.packed ? d_gate_up_tiles.get() : nullptr,
+        .packed_up = c.packed ? d_gate_up_tiles.get() + gate_up_layout.TileElements() : nullptr,
+        .packed_down = c.packed ? d_down_tiles.get() : nullptr};
     ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
     // The activations between the projections are bf16 on the GPU: allow their rounding,
     // relative to the size of the output.
@@ -995,12 +1003,11 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
     // The experts as the weight stream's tiles (their values random: the layout does not matter
     // to the comparison).
     const float scale = 1.0f / std::sqrt(static_cast<float>(hidden));
-    const int64_t gate_up_elements = GateUpTileLayout(intermediate, hidden).ExpertElements();
+    const MoeTileLayout gate_up = GateUpTileLayout(intermediate, hidden);
     const int64_t down_elements = DownTileLayout(hidden, intermediate).ExpertElements();
-    DeviceBuffer<Bf16> d_gate(c.local_experts * gate_up_elements),
-        d_up(c.local_experts * gate_up_elements), d_down(c.local_experts * down_elements);
-    d_gate.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up_elements, scale)));
-    d_up.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up_elements, scale)));
+    DeviceBuffer<Bf16> d_gate_up(c.local_experts * gate_up.ExpertElements()),
+        d_down(c.local_experts * down_elements);
+    d_gate_up.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up.ExpertElements(), scale)));
     d_down.CopyFrom(ToBf16(Random(rng, c.local_experts * down_elements, scale)));
     const MoeRoutingParams routing{.router_logits = d_logits.get(),
                                    .correction_bias = d_bias.get(),
@@ -1011,19 +1018,20 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
                                    .top_k = top_k,
                                    .routed_scaling_factor = 2.5f,
                                    .routed_tokens = d_routed.get()};
-    const MoeExpertsParamsOf<Bf16, Bf16> experts{.x = d_x.get(),
-                                                 .topk_ids = d_ids.get(),
-                                                 .topk_weights = d_weights.get(),
-                                                 .out = d_out.get(),
-                                                 .tokens = c.tokens,
-                                                 .top_k = top_k,
-                                                 .hidden = hidden,
-                                                 .intermediate = intermediate,
-                                                 .first_expert = c.first_expert,
-                                                 .num_local_experts = c.local_experts,
-                                                 .packed_gate = d_gate.get(),
-                                                 .packed_up = d_up.get(),
-                                                 .packed_down = d_down.get()};
+    const MoeExpertsParamsOf<Bf16, Bf16> experts{
+        .x = d_x.get(),
+        .topk_ids = d_ids.get(),
+        .topk_weights = d_weights.get(),
+        .out = d_out.get(),
+        .tokens = c.tokens,
+        .top_k = top_k,
+        .hidden = hidden,
+        .intermediate = intermediate,
+        .first_expert = c.first_expert,
+        .num_local_experts = c.local_experts,
+        .packed_gate = d_gate_up.get(),
+        .packed_up = d_gate_up.get() + gate_up.TileElements(),
+        .packed_down = d_down.get()};
     const int64_t bytes =
         MoeExpertsWorkspaceBytes(c.tokens, top_k, c.local_experts, intermediate, hidden);
     DeviceBuffer<uint8_t> workspace(bytes);
@@ -1202,6 +1210,11 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   const absl::Status small = MoeExperts(experts, workspace, 256, nullptr);
   EXPECT_EQ(small.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(small.message()), testing::HasSubstr(std::to_string(needed)));
+  MoeExpertsParamsOf<Bf16, Bf16> apart = experts;  // tiles, but gate and up not interleaved
+  apart.packed_gate = apart.packed_up = apart.packed_down = &x;
+  const absl::Status not_interleaved = MoeExperts(apart, workspace, needed, nullptr);
+  EXPECT_EQ(not_interleaved.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(not_interleaved.message()), testing::HasSubstr("interleaved"));
   MoeExpertsParamsOf<Bf16, Bf16> too_many = experts;
   too_many.tokens = 65536;  // the combine's grid
   EXPECT_EQ(MoeExperts(too_many, workspace, 256, nullptr).code(),

@@ -63,10 +63,11 @@ struct MoeExpertsParamsOf {
   int32_t first_expert = 0;
   int32_t num_local_experts = 0;
   const float* shared_out = nullptr;  // [tokens, hidden], added last when set (shared experts)
-  // GPU only, optional: the same matrices in one allocation each, in the GPU weight stream's
-  // tiles (treeverify/kernels/cuda/moe_tiles.h: GateUpTileLayout for gate and up, DownTileLayout
-  // for down). Where given, the GPU reads the experts from them, and the pointer arrays may be
-  // null; the CPU reads the pointer arrays only.
+  // GPU only, optional: the same matrices in the GPU weight stream's tiles
+  // (treeverify/kernels/cuda/moe_tiles.h: gate and up interleaved in one allocation by
+  // GateUpTileLayout, packed_up one tile after packed_gate; down by DownTileLayout). Where given,
+  // the GPU reads the experts from them, and the pointer arrays may be null; the CPU reads the
+  // pointer arrays only.
   const Weight* packed_gate = nullptr;
   const Weight* packed_up = nullptr;
   const Weight* packed_down = nullptr;

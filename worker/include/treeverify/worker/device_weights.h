@@ -44,9 +44,9 @@ struct DeviceMoeWeights {
   DeviceArray<float> correction_bias;  // [n_routed_experts] (noaux_tc), else empty
   // The held experts, in expert order, intermediate being this rank's columns. Where the
   // device's weight stream reads them so (cuda::MoeTilesReadable: every production shape on
-  // sm_90 and later), as its tiles (cuda/moe_tiles.h) and no pointer arrays; otherwise
-  // row-major, [local, intermediate, hidden] (gate, up) and [local, hidden, intermediate]
-  // (down), with pointer arrays into them.
+  // sm_90 and later), as its tiles (cuda/moe_tiles.h: gate and up interleaved in `gate`, `up`
+  // empty) and no pointer arrays; otherwise row-major, [local, intermediate, hidden] (gate, up)
+  // and [local, hidden, intermediate] (down), with pointer arrays into them.
   bool tiled = false;
   DeviceArray<Bf16> gate, up, down;
   DeviceArray<const Bf16*> gate_ptrs, up_ptrs, down_ptrs;  // [local] when !tiled

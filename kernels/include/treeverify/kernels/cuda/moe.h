@@ -79,17 +79,18 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
                                                   cudaStream_t stream,
                                                   int32_t* active_count = nullptr);
 
-// The experts come as tiles (packed_gate, packed_up and packed_down: moe_tiles.h's layouts, each
-// allocation 16-byte aligned), read by the weight stream on sm_90 and later where hidden and
-// intermediate are multiples of 8, and by the grouped GEMM; or as pointer arrays (gate_proj,
-// up_proj and down_proj: device arrays of device pointers to row-major matrices, each 16-byte
-// aligned), read by the grouped GEMM and the CUDA-core kernels. Given both, they must describe
-// the same matrices (neither can be checked from the host). workspace holds at
-// least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count (device memory)
-// is set, the number of local experts with tokens is written there (step accounting). If
-// shared_ready is set, shared_out may still be being written on another stream until that event
-// completes: the combine, its only reader, waits for it (and only the combine). With kInRouting
-// the pairs are already grouped in the workspace (and active_count written there, if asked).
+// The experts come as tiles (packed_gate and packed_down: moe_tiles.h's layouts, each allocation
+// 16-byte aligned; packed_up = packed_gate + one tile, gate and up interleaved), read by the weight
+// stream on sm_90 and later where hidden and intermediate are multiples of 8, and by the grouped
+// GEMM; or as pointer arrays (gate_proj, up_proj and down_proj: device arrays of device pointers to
+// row-major matrices, each 16-byte aligned), read by the grouped GEMM and the CUDA-core kernels.
+// Given both, they must describe the same matrices (neither can be checked from the host).
+// workspace holds at least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count
+// (device memory) is set, the number of local experts with tokens is written there (step
+// accounting). If shared_ready is set, shared_out may still be being written on another stream
+// until that event completes: the combine, its only reader, waits for it (and only the combine).
+// With kInRouting the pairs are already grouped in the workspace (and active_count written there,
+// if asked).
 absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& params, void* workspace,
                         int64_t workspace_bytes, cudaStream_t stream,
                         int32_t* active_count = nullptr, cudaEvent_t shared_ready = nullptr,
