@@ -31,22 +31,6 @@ absl::StatusOr<DeviceArray<Bf16>> ToDevice(const std::vector<float>& values) {
   return Copy(rounded);
 }
 
-// Packs per-expert matrices into one array and returns pointers to each.
-absl::Status Pack(const std::vector<std::vector<float>>& matrices, DeviceArray<Bf16>& packed,
-                  DeviceArray<const Bf16*>& pointers) {
-  std::vector<float> all;
-  for (const std::vector<float>& m : matrices) all.insert(all.end(), m.begin(), m.end());
-  TV_ASSIGN_OR_RETURN(packed, ToDevice(all));
-  std::vector<const Bf16*> starts;
-  int64_t offset = 0;
-  for (const std::vector<float>& m : matrices) {
-    starts.push_back(packed.get() + offset);
-    offset += static_cast<int64_t>(m.size());
-  }
-  TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
-  return absl::OkStatus();
-}
-
 // Whether this device's weight stream reads experts of these sizes as tiles.
 absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
   int device = 0, major = 0;
@@ -56,16 +40,55 @@ absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
   return kernels::cuda::MoeTilesReadable(hidden, intermediate, major);
 }
 
-// Per-expert row-major matrices in the weight stream's tiles: `matrices[m]` is interleaved
-// matrix m of every expert (gate and up, or down alone).
-absl::StatusOr<DeviceArray<Bf16>> PackTiles(
-    const std::vector<const std::vector<std::vector<float>>*>& matrices,
-    const kernels::cuda::MoeTileLayout& layout) {
-  return Copy(kernels::cuda::PackExpertTiles(
-      static_cast<int64_t>(matrices[0]->size()), layout,
-      [&](int m, int64_t e, int64_t r, int64_t c) {
-        return (*matrices[m])[static_cast<size_t>(e)][static_cast<size_t>(r * layout.cols + c)];
-      }));
+// The experts as the weight stream's tiles (`layout`), from row-major arrays on the device of
+// every expert's matrix one after another: `row_major[m]` is interleaved matrix m (gate and up,
+// or down alone). The arrays are no longer needed after.
+absl::StatusOr<DeviceArray<Bf16>> PackTiles(int64_t experts,
+                                            const std::vector<const DeviceArray<Bf16>*>& row_major,
+                                            const kernels::cuda::MoeTileLayout& layout) {
+  TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> tiles,
+                      DeviceArray<Bf16>::Allocate(experts * layout.ExpertElements()));
+  TV_CUDA_RETURN_IF_ERROR(cudaMemset(tiles.get(), 0, tiles.bytes()));  // the padding, if any
+  for (size_t m = 0; m < row_major.size(); ++m) {
+    TV_RETURN_IF_ERROR(kernels::cuda::PackExpertTilesOnDevice(
+        row_major[m]->get(), experts, layout, static_cast<int>(m), tiles.get(), nullptr));
+  }
+  TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return tiles;
+}
+
+// Row-major experts (gate, up, down) into the weight stream's tiles: gate and up interleaved in
+// `gate`, down in `down`; `up` freed.
+absl::Status TileExperts(DeviceMoeWeights& moe, int64_t experts, int64_t hidden,
+                         int64_t intermediate) {
+  TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> gate_up,
+                      PackTiles(experts, {&moe.gate, &moe.up},
+                                kernels::cuda::GateUpTileLayout(intermediate, hidden)));
+  TV_ASSIGN_OR_RETURN(
+      DeviceArray<Bf16> down,
+      PackTiles(experts, {&moe.down}, kernels::cuda::DownTileLayout(hidden, intermediate)));
+  moe.gate = std::move(gate_up);
+  moe.up = DeviceArray<Bf16>();
+  moe.down = std::move(down);
+  return absl::OkStatus();
+}
+
+// The experts of one kind of matrix (gate, up or down) row-major in one array, and, where they
+// stay so, pointers to each.
+absl::Status PackRows(const std::vector<std::vector<float>>& matrices, DeviceArray<Bf16>& packed,
+                      DeviceArray<const Bf16*>* pointers) {
+  std::vector<float> all;
+  for (const std::vector<float>& m : matrices) all.insert(all.end(), m.begin(), m.end());
+  TV_ASSIGN_OR_RETURN(packed, ToDevice(all));
+  if (pointers == nullptr) return absl::OkStatus();
+  std::vector<const Bf16*> starts;
+  int64_t offset = 0;
+  for (const std::vector<float>& m : matrices) {
+    starts.push_back(packed.get() + offset);
+    offset += static_cast<int64_t>(m.size());
+  }
+  TV_ASSIGN_OR_RETURN(*pointers, Copy(starts));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DeviceMlpWeights> ToDevice(const MlpWeights& mlp) {
@@ -134,16 +157,14 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     const int64_t hidden = weights.config.hidden_size;
     const int64_t intermediate = weights.plan.expert_intermediate.size();
     TV_ASSIGN_OR_RETURN(out.moe.tiled, ExpertsAsTiles(hidden, intermediate));
-    if (out.moe.tiled) {
-      TV_ASSIGN_OR_RETURN(out.moe.gate,
-                          PackTiles({&moe.gate_proj, &moe.up_proj},
-                                    kernels::cuda::GateUpTileLayout(intermediate, hidden)));
-      TV_ASSIGN_OR_RETURN(out.moe.down, PackTiles({&moe.down_proj}, kernels::cuda::DownTileLayout(
-                                                                        hidden, intermediate)));
-    } else {
-      TV_RETURN_IF_ERROR(Pack(moe.gate_proj, out.moe.gate, out.moe.gate_ptrs));
-      TV_RETURN_IF_ERROR(Pack(moe.up_proj, out.moe.up, out.moe.up_ptrs));
-      TV_RETURN_IF_ERROR(Pack(moe.down_proj, out.moe.down, out.moe.down_ptrs));
+    DeviceMoeWeights& d_moe = out.moe;
+    const bool rows = !d_moe.tiled;  // row-major with pointers, else only on the way to tiles
+    TV_RETURN_IF_ERROR(PackRows(moe.gate_proj, d_moe.gate, rows ? &d_moe.gate_ptrs : nullptr));
+    TV_RETURN_IF_ERROR(PackRows(moe.up_proj, d_moe.up, rows ? &d_moe.up_ptrs : nullptr));
+    TV_RETURN_IF_ERROR(PackRows(moe.down_proj, d_moe.down, rows ? &d_moe.down_ptrs : nullptr));
+    if (d_moe.tiled) {
+      TV_RETURN_IF_ERROR(
+          TileExperts(d_moe, static_cast<int64_t>(moe.gate_proj.size()), hidden, intermediate));
     }
     TV_ASSIGN_OR_RETURN(out.moe.shared, ToDevice(moe.shared));
   }
@@ -190,11 +211,6 @@ class RandomTensors {
     for (int64_t e = 0; e < count; ++e) starts.push_back(packed.get() + e * rows * fan_in);
     TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
     return absl::OkStatus();
-  }
-  // `count` experts' matrices as the weight stream's tiles (the values random whatever their
-  // place, the padding of shapes that need it too).
-  absl::StatusOr<DeviceArray<Bf16>> Tiles(int64_t count, const kernels::cuda::MoeTileLayout& l) {
-    return Uniform(count * l.ExpertElements(), std::sqrt(3.0 / static_cast<double>(l.cols)));
   }
 
  private:
@@ -250,16 +266,17 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     const int64_t local = plan.experts.size();
     const int64_t intermediate = plan.expert_intermediate.size();
     TV_ASSIGN_OR_RETURN(moe.tiled, ExpertsAsTiles(hidden, intermediate));
-    const kernels::cuda::MoeTileLayout gate_up =
-        kernels::cuda::GateUpTileLayout(intermediate, hidden);
-    const kernels::cuda::MoeTileLayout down = kernels::cuda::DownTileLayout(hidden, intermediate);
-    if (moe.tiled) {  // gate and up interleaved in `gate`
-      TV_ASSIGN_OR_RETURN(moe.gate, random.Tiles(local, gate_up));
-      TV_ASSIGN_OR_RETURN(moe.down, random.Tiles(local, down));
-    } else {
-      TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.gate, moe.gate_ptrs));
-      TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.up, moe.up_ptrs));
-      TV_RETURN_IF_ERROR(random.Experts(local, hidden, intermediate, moe.down, moe.down_ptrs));
+    // Row-major first, from the same seeds either way, so that a benchmark's routing does not
+    // depend on the layout; then the tiles where the stream reads them.
+    TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.gate, moe.gate_ptrs));
+    TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.up, moe.up_ptrs));
+    TV_RETURN_IF_ERROR(random.Experts(local, hidden, intermediate, moe.down, moe.down_ptrs));
+    if (moe.tiled) {
+      TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
+      for (auto* pointers : {&moe.gate_ptrs, &moe.up_ptrs, &moe.down_ptrs}) {
+        *pointers = DeviceArray<const Bf16*>();
+      }
+      TV_RETURN_IF_ERROR(TileExperts(moe, local, hidden, intermediate));
     }
     TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
   }

@@ -776,6 +776,40 @@ TEST(MoeTilesTest, PackExpertTilesPlacesEveryElementOnce) {
   }
 }
 
+// The same tiles packed on the device from row-major bf16, as the worker packs them: the same
+// bytes as the host's, padding included (zeroed first).
+TEST_F(CudaForwardOpsTest, PackExpertTilesOnDeviceMatchesTheHost) {
+  std::mt19937 rng(513);
+  for (const MoeTileLayout& layout : {GateUpTileLayout(72, 136), DownTileLayout(200, 72)}) {
+    SCOPED_TRACE(testing::Message() << layout.rows << " x " << layout.cols);
+    const int64_t experts = 3, elements = experts * layout.rows * layout.cols;
+    std::vector<std::vector<float>> matrices;
+    for (int m = 0; m < layout.interleave; ++m) {
+      matrices.push_back(RoundToBf16(Random(rng, elements)));
+    }
+    const std::vector<Bf16> expected =
+        PackExpertTiles(experts, layout, [&](int m, int64_t e, int64_t r, int64_t c) {
+          return matrices[m][(e * layout.rows + r) * layout.cols + c];
+        });
+    DeviceBuffer<Bf16> d_tiles(expected.size());
+    ASSERT_EQ(cudaMemset(d_tiles.get(), 0, d_tiles.bytes()), cudaSuccess);
+    std::vector<std::unique_ptr<DeviceBuffer<Bf16>>> d_rows;
+    for (int m = 0; m < layout.interleave; ++m) {
+      d_rows.push_back(std::make_unique<DeviceBuffer<Bf16>>(elements));
+      d_rows.back()->CopyFrom(ToBf16(matrices[m]));
+      ASSERT_TRUE(
+          PackExpertTilesOnDevice(d_rows.back()->get(), experts, layout, m, d_tiles.get(), nullptr)
+              .ok());
+    }
+    const std::vector<Bf16> actual = d_tiles.ToHost();
+    ASSERT_EQ(actual.size(), expected.size());
+    EXPECT_EQ(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(Bf16)), 0);
+  }
+  EXPECT_EQ(
+      PackExpertTilesOnDevice(nullptr, 1, DownTileLayout(128, 60), 0, nullptr, nullptr).code(),
+      absl::StatusCode::kInvalidArgument);  // columns not a multiple of 8
+}
+
 struct ExpertsCase {
   int64_t tokens, hidden, intermediate;
   int32_t top_k, experts, first_expert, local_experts;

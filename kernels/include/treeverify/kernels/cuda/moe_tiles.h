@@ -12,17 +12,21 @@
 // Gate and up: 64-row tiles of [intermediate, hidden], interleaved, in one allocation whose up
 // tiles start one tile in; down: 128-row tiles of [hidden, intermediate].
 //
-//   const MoeTileLayout gate_up = GateUpTileLayout(intermediate, hidden);
+//   const MoeTileLayout gate_up = GateUpTileLayout(intermediate, hidden);  // on the host:
 //   std::vector<Bf16> tiles = PackExpertTiles(experts, gate_up, [&](int m, int64_t e, int64_t r,
 //       int64_t c) { return (m == 0 ? gate : up)[e][r * hidden + c]; });
 //   params.packed_gate = device_tiles; params.packed_up = device_tiles + gate_up.TileElements();
+//   // or on the device, from row-major bf16: PackExpertTilesOnDevice(gate, experts, gate_up, 0,
+//   // device_tiles, stream), the same for up with matrix 1.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "treeverify/kernels/cuda/bf16.h"
 #include "treeverify/kernels/host_device.h"
 
@@ -86,5 +90,13 @@ std::vector<Bf16> PackExpertTiles(int64_t experts, const MoeTileLayout& layout, 
   }
   return tiles;
 }
+
+// The same on the device, for one of the interleaved matrices (`matrix`): `experts` row-major
+// [rows, cols] matrices, one after another at `row_major` (cols a multiple of 8), into `tiles`
+// (layout.ExpertElements() * experts elements; the padding, where the shape has any, is left as
+// it is: zero the allocation first). Both 16-byte aligned.
+absl::Status PackExpertTilesOnDevice(const Bf16* row_major, int64_t experts,
+                                     const MoeTileLayout& layout, int matrix, Bf16* tiles,
+                                     cudaStream_t stream);
 
 }  // namespace treeverify::kernels::cuda
