@@ -54,7 +54,9 @@ inline constexpr int kTmaTokens = 32;  // token rows per group: four mma passes 
 inline constexpr int kTmaPasses = kTmaTokens / 8;
 inline constexpr int kTmaWeightBytes = kTmaRows * kTmaCols * 2;  // 16 KB
 inline constexpr int kTmaStageBytes = kTmaWeightBytes + kTmaTokens * kTmaCols * 2;
-static_assert(kTmaStageBytes % 1024 == 0);  // every tile starts a 128-byte swizzle pattern
+// Slots start at multiples of 1024 bytes, so that each 8-row period of the 128-byte swizzle covers
+// the 32 banks once (ldmatrix without conflicts); the swizzle itself is relative to the slot.
+static_assert(kTmaStageBytes % 1024 == 0);
 // ReductionParts counts the items and stages so.
 static_assert(kTmaRows / 2 == kGateUpTileRows && kTmaRows == kDownTileRows);
 // A stage's tiles are the packed ones (moe_tiles.h).
@@ -171,7 +173,7 @@ struct ExpertWalk {
 
  private:
   // Lane 0 claims the next item; the value is read (and waited for) only when it is needed. Block
-  // b's first item is item b, so that no block waits for a claim before its first box; the
+  // b's first item is item b, so that no block waits for a claim before its first copy; the
   // counter hands out the rest.
   __device__ void Claim() {
     if (threadIdx.x % 32 == 0) claimed_ = atomicAdd(claims_, 1) + static_cast<int32_t>(gridDim.x);
@@ -222,10 +224,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   __syncthreads();
   // The barriers above were set up while the predecessor (the grouping, or the gate/up
   // reduction) finished; everything below reads its outputs or follows them, except down's first
-  // weight boxes: the weights do not depend on the step, and the walk reads only the grouping's
+  // weight tiles: the weights do not depend on the step, and the walk reads only the grouping's
   // lists, complete before down could launch (each kernel of the chain waits before it allows its
   // dependent, and FinishGateUp comes between: programmatic_launch.h). So down's producer issues
-  // its first slots' boxes before it waits; they stream during the gate/up stream's tail and
+  // its first slots' tiles before it waits; they stream during the gate/up stream's tail and
   // FinishGateUp, where down's blocks become resident as gate/up's leave.
   constexpr bool kIssueBeforeWait = !kGateUp;
   const bool producer = warp == kTmaConsumerWarps;
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
     const MoeTileLayout layout = kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
                                          : DownTileLayout(p.hidden, p.intermediate);
-    // A stage's ticket and weight boxes, once its slot is free (lane 0; the full barrier then
+    // A stage's ticket and weight tiles, once its slot is free (lane 0; the full barrier then
     // waits for the token rows' 32 arrivals).
     auto issue_weights = [&](int32_t stage, bool more, const ExpertWalk& at) {
       const int32_t slot = stage % stages;
@@ -287,7 +289,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       mma::CpAsyncArriveOn(&full[slot]);
     };
     ExpertWalk walk(p, w, block_parts, kGateUp, w.claims + (kGateUp ? 0 : 1));
-    // Down's token rows wait for the predecessor grid, its first `stages` weight boxes do not.
+    // Down's token rows wait for the predecessor grid, its first `stages` weight tiles do not.
     bool waited = !kIssueBeforeWait;
     int32_t tokens_issued = 0;  // stages whose token rows are out
     for (int32_t stage = 0;; ++stage) {
@@ -390,7 +392,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 // the first add: one trip to the L2 instead of one per part (bench/NOTES.md, step 116).
 __global__ void FinishGateUp(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts) {
   // Allows the down stream to launch before this waits: down's blocks then take the gate/up
-  // stream's places as they free and issue their first weight boxes (ExpertTmaKernel).
+  // stream's places as they free and issue their first weight tiles (ExpertTmaKernel).
   AllowDependentGridLaunch();
   WaitForPredecessorGrid();
   const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;

@@ -169,19 +169,23 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
                      p.first_expert, ", +", p.num_local_experts, ")"));
   }
   if (p.tokens == 0) return absl::OkStatus();
-  const bool tiled = p.packed_gate != nullptr && p.packed_up != nullptr && p.packed_down != nullptr;
-  const bool pointers = p.gate_proj != nullptr && p.up_proj != nullptr && p.down_proj != nullptr;
+  const int packed =
+      (p.packed_gate != nullptr) + (p.packed_up != nullptr) + (p.packed_down != nullptr);
+  const int given = (p.gate_proj != nullptr) + (p.up_proj != nullptr) + (p.down_proj != nullptr);
+  const bool tiled = packed == 3, pointers = given == 3;
   if (p.x == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr || p.out == nullptr ||
-      (!tiled && !pointers)) {
+      (packed != 0 && packed != 3) || (given != 0 && given != 3) || (!tiled && !pointers)) {
     return absl::InvalidArgumentError(
-        "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (packed tiles or "
-        "pointer arrays) must be non-null");
+        "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (all three packed "
+        "tiles, or all three pointer arrays, or both) must be non-null");
   }
   if (tiled &&
-      p.packed_up != p.packed_gate + GateUpTileLayout(p.intermediate, p.hidden).TileElements()) {
+      (p.packed_up != p.packed_gate + GateUpTileLayout(p.intermediate, p.hidden).TileElements() ||
+       reinterpret_cast<uintptr_t>(p.packed_gate) % 16 != 0 ||
+       reinterpret_cast<uintptr_t>(p.packed_down) % 16 != 0)) {
     return absl::InvalidArgumentError(
-        "cuda::MoeExperts: the up tiles are interleaved with the gate tiles: packed_up must be "
-        "packed_gate + one tile (moe_tiles.h)");
+        "cuda::MoeExperts: the tiles are 16-byte aligned and the up tiles interleaved with the "
+        "gate tiles: packed_up must be packed_gate + one tile (moe_tiles.h)");
   }
   const Workspace w =
       Carve(workspace, p.tokens, p.top_k, p.num_local_experts, p.intermediate, p.hidden);
@@ -204,6 +208,18 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   // routing, read on the device.
   const int max_blocks = multiprocessors * 8;
 
+  // The weight stream where the experts come as tiles, on sm_90 and later (bulk copies) with
+  // token rows of whole 16-byte pieces (every production shape); the CUDA-core kernels, which
+  // read the pointer arrays, otherwise.
+  const bool tma_path = tiled && MoeTilesReadable(p.hidden, p.intermediate, compute_major) &&
+                        reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  if (!tma_path && !pointers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::MoeExperts: packed tiles are read on sm_90 and later with hidden and intermediate "
+        "multiples of 8 and x 16-byte aligned (compute capability ",
+        compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
+        "); otherwise the pointer arrays are needed"));
+  }
   const int64_t entries = p.tokens * p.top_k;
   if (grouping == MoeGrouping::kInRouting) {
     // MoeRoutingAndGrouping grouped the pairs into this workspace.
@@ -242,18 +258,6 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   }
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   int32_t down_parts = 1;  // the weight stream's may split down's reduction
-  // The weight stream where the experts come as tiles, on sm_90 and later (bulk copies) with
-  // token rows of whole 16-byte pieces (every production shape); the CUDA-core kernels, which
-  // read the pointer arrays, otherwise.
-  const bool tma_path = tiled && MoeTilesReadable(p.hidden, p.intermediate, compute_major) &&
-                        reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
-  if (!tma_path && !pointers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda::MoeExperts: packed tiles are read on sm_90 and later with hidden and intermediate "
-        "multiples of 8 and x 16-byte aligned (compute capability ",
-        compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
-        "); otherwise the pointer arrays are needed"));
-  }
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
   // per 64 of its tokens rather than per 16.
   if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&

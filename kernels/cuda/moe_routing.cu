@@ -279,19 +279,23 @@ __global__ void __launch_bounds__(kRoutingThreads)
   if (g.w.routing_arrivals != nullptr) GroupIfLast(p, g);
 }
 
-// Shared memory the staged grouping may take beside the routing's own ~15 KB within the default
-// 48 KB a block.
-constexpr int64_t kMaxGroupingSmem = 32 * 1024;
+// The routing kernel for top_k (a power of two of at least top_k, for its lists).
+using RoutingKernel = void (*)(MoeRoutingParams, GroupTarget);
+RoutingKernel RoutingKernelFor(int32_t top_k) {
+  if (top_k <= 8) return MoeRoutingKernel<8>;
+  if (top_k <= 16) return MoeRoutingKernel<16>;
+  return MoeRoutingKernel<32>;
+}
+
+// Shared memory a block has without the opt-in: the routing's own (~15 KB) and the staged
+// grouping's must fit it together.
+constexpr int64_t kDefaultBlockSmem = 48 * 1024;
 
 absl::Status LaunchRouting(const MoeRoutingParams& p, const GroupTarget& g, int64_t smem,
                            cudaStream_t stream) {
-  const auto launch = [&](auto kernel) {
-    return LaunchKernel(kernel, dim3(static_cast<unsigned>(p.tokens)), dim3(kRoutingThreads), smem,
-                        stream, WaitsForPredecessor(kernel), "MoeRoutingKernel", p, g);
-  };
-  if (p.top_k <= 8) return launch(MoeRoutingKernel<8>);
-  if (p.top_k <= 16) return launch(MoeRoutingKernel<16>);
-  return launch(MoeRoutingKernel<32>);
+  const RoutingKernel kernel = RoutingKernelFor(p.top_k);
+  return LaunchKernel(kernel, dim3(static_cast<unsigned>(p.tokens)), dim3(kRoutingThreads), smem,
+                      stream, WaitsForPredecessor(kernel), "MoeRoutingKernel", p, g);
 }
 
 // The routing's sizes and, where it has tokens, its pointers.
@@ -339,9 +343,14 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
         experts.tokens, " vs ", routing.tokens, ", top_k ", experts.top_k, " vs ", routing.top_k,
         ") and hold experts [", experts.first_expert, ", +", experts.num_local_experts, ")"));
   }
+  TV_RETURN_IF_ERROR(CheckRouting(routing));
   const int64_t smem =
       moe::GroupKernelSmemBytes(routing.tokens * routing.top_k, experts.num_local_experts);
-  if (smem > kMaxGroupingSmem) {  // a prefill batch: MoeExperts groups it over chunks
+  cudaFuncAttributes kernel{};
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &kernel, reinterpret_cast<const void*>(RoutingKernelFor(routing.top_k))));
+  if (smem + static_cast<int64_t>(kernel.sharedSizeBytes) > kDefaultBlockSmem) {
+    // A prefill batch: MoeExperts groups it over chunks.
     TV_RETURN_IF_ERROR(MoeRouting(routing, stream));
     return MoeGrouping::kInExperts;
   }
@@ -354,7 +363,6 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
         absl::StrCat("cuda::MoeRoutingAndGrouping: needs a 256-byte aligned workspace of ", w.bytes,
                      " bytes, got ", workspace_bytes));
   }
-  TV_RETURN_IF_ERROR(CheckRouting(routing));
   if (routing.tokens == 0) return MoeGrouping::kInExperts;
   TV_RETURN_IF_ERROR(LaunchRouting(routing,
                                    GroupTarget{.w = w,

@@ -46,6 +46,13 @@ absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
 absl::StatusOr<DeviceArray<Bf16>> PackTiles(int64_t experts,
                                             const std::vector<const DeviceArray<Bf16>*>& row_major,
                                             const kernels::cuda::MoeTileLayout& layout) {
+  for (const DeviceArray<Bf16>* matrix : row_major) {
+    if (matrix->size() != experts * layout.rows * layout.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("PackTiles: ", matrix->size(),
+                                                     " elements for ", experts, " experts of ",
+                                                     layout.rows, " x ", layout.cols));
+    }
+  }
   TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> tiles,
                       DeviceArray<Bf16>::Allocate(experts * layout.ExpertElements()));
   TV_CUDA_RETURN_IF_ERROR(cudaMemset(tiles.get(), 0, tiles.bytes()));  // the padding, if any
@@ -61,14 +68,16 @@ absl::StatusOr<DeviceArray<Bf16>> PackTiles(int64_t experts,
 // `gate`, down in `down`; `up` freed.
 absl::Status TileExperts(DeviceMoeWeights& moe, int64_t experts, int64_t hidden,
                          int64_t intermediate) {
+  // One kind at a time, its row-major arrays freed before the next is packed: at most one kind's
+  // bytes held twice.
   TV_ASSIGN_OR_RETURN(DeviceArray<Bf16> gate_up,
                       PackTiles(experts, {&moe.gate, &moe.up},
                                 kernels::cuda::GateUpTileLayout(intermediate, hidden)));
+  moe.gate = std::move(gate_up);
+  moe.up = DeviceArray<Bf16>();
   TV_ASSIGN_OR_RETURN(
       DeviceArray<Bf16> down,
       PackTiles(experts, {&moe.down}, kernels::cuda::DownTileLayout(hidden, intermediate)));
-  moe.gate = std::move(gate_up);
-  moe.up = DeviceArray<Bf16>();
   moe.down = std::move(down);
   return absl::OkStatus();
 }

@@ -737,6 +737,14 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
 // tile row, an expert's tiles in (row tile, chunk) order with gate's and up's alternating, and the
 // padding past the matrices zero. No GPU.
 TEST(MoeTilesTest, PackExpertTilesPlacesEveryElementOnce) {
+  // A few places by hand: [70, 130] gate/up in 2 row tiles x 3 chunks of 4096 elements, gate's and
+  // up's alternating (8192 a tile position).
+  constexpr MoeTileLayout kGateUp = GateUpTileLayout(70, 130);
+  static_assert(kGateUp.Offset(0, 0, 0) == 0 && kGateUp.Offset(0, 0, 9) == 9);
+  static_assert(kGateUp.Offset(0, 1, 0) == 64 + 8 && kGateUp.Offset(0, 1, 9) == 64 + 1);
+  static_assert(kGateUp.Offset(0, 7, 63) == 7 * 64 + (7 ^ 7) * 8 + 7);
+  static_assert(kGateUp.Offset(0, 0, 64) == 8192 && kGateUp.Offset(0, 64, 0) == 3 * 8192);
+  static_assert(kGateUp.Offset(1, 0, 0) == 6 * 8192 && kGateUp.ExpertElements() == 6 * 8192);
   for (const MoeTileLayout& layout : {GateUpTileLayout(70, 130), DownTileLayout(200, 72)}) {
     SCOPED_TRACE(testing::Message() << layout.rows << " x " << layout.cols);
     const int64_t experts = 3;
@@ -982,7 +990,11 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
     const std::vector<float> first = d_out.ToHost();
     ASSERT_TRUE(MoeExperts(params, workspace.get(), bytes, nullptr).ok());
     EXPECT_EQ(d_out.ToHost(), first);
-    if (c.packed && MoeTilesReadable(c.hidden, c.intermediate, 9)) {
+    int device = 0, major = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+              cudaSuccess);
+    if (c.packed && MoeTilesReadable(c.hidden, c.intermediate, major)) {
       // The tiles alone, as the worker holds them on sm_90 and later: the same bytes.
       MoeExpertsParamsOf<Bf16, Bf16> tiles_only = params;
       tiles_only.gate_proj = tiles_only.up_proj = tiles_only.down_proj = nullptr;
@@ -1000,14 +1012,18 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
 }
 
 // The routing's last block groups the pairs (MoeRoutingAndGrouping) exactly as MoeExperts' own
-// grouping does: the same ids, weights, active count and output bytes, launch after launch (the
-// block count returns to zero), with padding rows; and a prefill batch's entries, too many for
-// the staged grouping, are left to MoeExperts.
+// grouping does: the same ids, weights, active count and output bytes as routing then MoeExperts
+// on a workspace of its own, launch after launch on new logits (the block count back at zero
+// after each), into a workspace and outputs filled with garbage first (so a grouping that did not
+// run, or ran on stale ids, shows), with padding rows; under the stream (tiles), the grouped GEMM
+// (512 tokens) and the CUDA-core kernels (pointer arrays); and a prefill batch's entries, too many
+// for the staged grouping, are left to MoeExperts.
 struct RouteAndGroupCase {
   int64_t tokens;
   int32_t experts, first_expert, local_experts;
   int32_t routed;  // rows routed (the rest pad a graph's shape)
   MoeGrouping expected;
+  bool tiles = true;  // the experts as tiles, else row-major behind pointer arrays
 };
 
 TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
@@ -1021,28 +1037,44 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
            RouteAndGroupCase{16, 384, 0, 384, 13, MoeGrouping::kInRouting},
            // Whole experts: this rank holds [96, 192).
            RouteAndGroupCase{16, 384, 96, 96, 16, MoeGrouping::kInRouting},
+           // The CUDA-core kernels.
+           RouteAndGroupCase{16, 384, 0, 384, 16, MoeGrouping::kInRouting, false},
+           // 512 x 8 entries, grouped in the routing, multiplied by the grouped GEMM.
+           RouteAndGroupCase{512, 64, 0, 64, 500, MoeGrouping::kInRouting},
            // 1100 x 8 entries: past the staged grouping's shared memory.
            RouteAndGroupCase{1100, 64, 0, 64, 1100, MoeGrouping::kInExperts},
        }) {
     SCOPED_TRACE(testing::Message() << c.tokens << " tokens, experts [" << c.first_expert << ", +"
-                                    << c.local_experts << ")");
+                                    << c.local_experts << ")" << (c.tiles ? "" : ", pointers"));
     DeviceBuffer<float> d_logits(c.tokens * c.experts), d_bias(c.experts),
         d_weights(c.tokens * top_k), d_out(c.tokens * hidden);
     DeviceBuffer<int32_t> d_ids(c.tokens * top_k), d_routed(1), d_active(1);
-    d_logits.CopyFrom(Random(rng, c.tokens * c.experts, 2.0f));
     d_bias.CopyFrom(Random(rng, c.experts, 0.1f));
     d_routed.CopyFrom({c.routed});
     DeviceBuffer<Bf16> d_x(c.tokens * hidden);
     d_x.CopyFrom(ToBf16(Random(rng, c.tokens * hidden)));
-    // The experts as the weight stream's tiles (their values random: the layout does not matter
-    // to the comparison).
+    // The experts (their values random: the layout does not matter to the comparison).
     const float scale = 1.0f / std::sqrt(static_cast<float>(hidden));
     const MoeTileLayout gate_up = GateUpTileLayout(intermediate, hidden);
-    const int64_t down_elements = DownTileLayout(hidden, intermediate).ExpertElements();
-    DeviceBuffer<Bf16> d_gate_up(c.local_experts * gate_up.ExpertElements()),
-        d_down(c.local_experts * down_elements);
-    d_gate_up.CopyFrom(ToBf16(Random(rng, c.local_experts * gate_up.ExpertElements(), scale)));
-    d_down.CopyFrom(ToBf16(Random(rng, c.local_experts * down_elements, scale)));
+    const int64_t gate_up_elements = c.local_experts * gate_up.ExpertElements();
+    const int64_t down_elements =
+        c.local_experts * DownTileLayout(hidden, intermediate).ExpertElements();
+    DeviceBuffer<Bf16> d_gate_up(gate_up_elements), d_down(down_elements);
+    d_gate_up.CopyFrom(ToBf16(Random(rng, gate_up_elements, scale)));
+    d_down.CopyFrom(ToBf16(Random(rng, down_elements, scale)));
+    // Row-major: gate, then up, in the gate/up buffer; down in its own.
+    const int64_t matrix = intermediate * hidden;
+    std::vector<const Bf16*> gate, up, down;
+    for (int32_t e = 0; e < c.local_experts; ++e) {
+      gate.push_back(d_gate_up.get() + e * matrix);
+      up.push_back(d_gate_up.get() + (c.local_experts + e) * matrix);
+      down.push_back(d_down.get() + e * matrix);
+    }
+    DeviceBuffer<const Bf16*> d_gate_ptrs(gate.size()), d_up_ptrs(up.size()),
+        d_down_ptrs(down.size());
+    d_gate_ptrs.CopyFrom(gate);
+    d_up_ptrs.CopyFrom(up);
+    d_down_ptrs.CopyFrom(down);
     const MoeRoutingParams routing{.router_logits = d_logits.get(),
                                    .correction_bias = d_bias.get(),
                                    .topk_ids = d_ids.get(),
@@ -1052,34 +1084,47 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
                                    .top_k = top_k,
                                    .routed_scaling_factor = 2.5f,
                                    .routed_tokens = d_routed.get()};
-    const MoeExpertsParamsOf<Bf16, Bf16> experts{
-        .x = d_x.get(),
-        .topk_ids = d_ids.get(),
-        .topk_weights = d_weights.get(),
-        .out = d_out.get(),
-        .tokens = c.tokens,
-        .top_k = top_k,
-        .hidden = hidden,
-        .intermediate = intermediate,
-        .first_expert = c.first_expert,
-        .num_local_experts = c.local_experts,
-        .packed_gate = d_gate_up.get(),
-        .packed_up = d_gate_up.get() + gate_up.TileElements(),
-        .packed_down = d_down.get()};
+    MoeExpertsParamsOf<Bf16, Bf16> experts{.x = d_x.get(),
+                                           .topk_ids = d_ids.get(),
+                                           .topk_weights = d_weights.get(),
+                                           .out = d_out.get(),
+                                           .tokens = c.tokens,
+                                           .top_k = top_k,
+                                           .hidden = hidden,
+                                           .intermediate = intermediate,
+                                           .first_expert = c.first_expert,
+                                           .num_local_experts = c.local_experts};
+    if (c.tiles) {
+      experts.packed_gate = d_gate_up.get();
+      experts.packed_up = d_gate_up.get() + gate_up.TileElements();
+      experts.packed_down = d_down.get();
+    } else {
+      experts.gate_proj = d_gate_ptrs.get();
+      experts.up_proj = d_up_ptrs.get();
+      experts.down_proj = d_down_ptrs.get();
+    }
     const int64_t bytes =
         MoeExpertsWorkspaceBytes(c.tokens, top_k, c.local_experts, intermediate, hidden);
-    DeviceBuffer<uint8_t> workspace(bytes);
+    DeviceBuffer<uint8_t> workspace(bytes), baseline_workspace(bytes);
     ASSERT_EQ(cudaMemset(workspace.get(), 0, bytes), cudaSuccess);
-
-    ASSERT_TRUE(MoeRouting(routing, nullptr).ok());
-    ASSERT_TRUE(MoeExperts(experts, workspace.get(), bytes, nullptr, d_active.get()).ok());
-    const std::vector<int32_t> ids = d_ids.ToHost();
-    const std::vector<float> weights = d_weights.ToHost(), out = d_out.ToHost();
-    const int32_t active = d_active.ToHost()[0];
-    EXPECT_GT(active, 0);
+    ASSERT_EQ(cudaMemset(baseline_workspace.get(), 0, bytes), cudaSuccess);
     for (int launch = 0; launch < 3; ++launch) {
       SCOPED_TRACE(testing::Message() << "launch " << launch);
-      ASSERT_EQ(cudaMemset(d_out.get(), 0xff, d_out.bytes()), cudaSuccess);  // NaNs
+      d_logits.CopyFrom(Random(rng, c.tokens * c.experts, 2.0f));
+      ASSERT_TRUE(MoeRouting(routing, nullptr).ok());
+      ASSERT_TRUE(
+          MoeExperts(experts, baseline_workspace.get(), bytes, nullptr, d_active.get()).ok());
+      const std::vector<int32_t> ids = d_ids.ToHost();
+      const std::vector<float> weights = d_weights.ToHost(), out = d_out.ToHost();
+      const int32_t active = d_active.ToHost()[0];
+      EXPECT_GT(active, 0);
+      // Garbage everywhere the fused launch must write, and in the workspace past its count.
+      for (void* buffer : {static_cast<void*>(d_out.get()), static_cast<void*>(d_ids.get()),
+                           static_cast<void*>(d_weights.get())}) {
+        ASSERT_EQ(cudaMemset(buffer, 0xff, buffer == d_out.get() ? d_out.bytes() : d_ids.bytes()),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(cudaMemset(workspace.get() + 256, 0xff, bytes - 256), cudaSuccess);
       ASSERT_EQ(cudaMemset(d_active.get(), 0, sizeof(int32_t)), cudaSuccess);
       const absl::StatusOr<MoeGrouping> grouping =
           MoeRoutingAndGrouping(routing, experts, workspace.get(), bytes, nullptr, d_active.get());
@@ -1094,6 +1139,10 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
       const std::vector<float> again = d_out.ToHost();
       ASSERT_EQ(again.size(), out.size());
       EXPECT_EQ(std::memcmp(again.data(), out.data(), out.size() * sizeof(float)), 0);
+      int32_t arrivals = -1;  // the routing blocks' count, back at zero
+      ASSERT_EQ(cudaMemcpy(&arrivals, workspace.get(), sizeof(int32_t), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(arrivals, 0);
     }
   }
 }
@@ -1244,6 +1293,10 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   const absl::Status small = MoeExperts(experts, workspace, 256, nullptr);
   EXPECT_EQ(small.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(small.message()), testing::HasSubstr(std::to_string(needed)));
+  MoeExpertsParamsOf<Bf16, Bf16> partly = experts;  // two of the three tiles
+  partly.packed_gate = partly.packed_up = &x;
+  EXPECT_EQ(MoeExperts(partly, workspace, needed, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
   MoeExpertsParamsOf<Bf16, Bf16> apart = experts;  // tiles, but gate and up not interleaved
   apart.packed_gate = apart.packed_up = apart.packed_down = &x;
   const absl::Status not_interleaved = MoeExperts(apart, workspace, needed, nullptr);

@@ -67,12 +67,15 @@ enum class MoeGrouping {
   kInRouting,  // MoeRoutingAndGrouping did, into the workspace MoeExperts is given
 };
 
-// MoeRouting and, at a verify step's sizes (the staged grouping's shared memory within 32 KB:
-// 128 entries and 384 local experts take 2 KB), the grouping MoeExperts would begin with, by the
-// last routing block to finish: one dependent kernel fewer before the expert streams. `experts`
-// must read the routing's ids (same topk_ids, tokens and top_k) and the workspace is the one it
-// will be given (zeroed when allocated). Returns kInRouting where it grouped, kInExperts where it
-// only routed (a prefill batch): pass it on to MoeExperts.
+// MoeRouting and, at a verify step's sizes (the staged grouping's shared memory beside the
+// routing's within a block's default 48 KB: 128 entries and 384 local experts take 2 KB), the
+// grouping MoeExperts would begin with, by the last routing block to finish: one dependent kernel
+// fewer before the expert streams. `experts` must read the routing's ids (same topk_ids, tokens
+// and top_k) and the workspace is the one it will be given. The blocks count themselves in the
+// workspace: it must be zeroed when allocated, and used by one stream's work at a time (the
+// last block zeroes the count again; a kernel that faults leaves the context unusable anyway).
+// Returns kInRouting where it grouped, kInExperts where it only routed (a prefill batch): pass it
+// on to MoeExperts.
 absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routing,
                                                   const MoeExpertsParamsOf<Bf16, Bf16>& experts,
                                                   void* workspace, int64_t workspace_bytes,
