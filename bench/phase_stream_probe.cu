@@ -44,7 +44,7 @@
 #include "probe_common.h"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
-#include "treeverify/kernels/cuda/copy_bandwidth.h"
+#include "tma_probe_device.h"
 
 namespace {
 
@@ -265,18 +265,11 @@ int main(int argc, char** argv) {
   const std::optional<std::string> out_argument = treeverify::bench::OutDirArgument(argc, argv);
   if (!out_argument) return 2;
   const std::string& out_dir = *out_argument;
-  int device = 0, multiprocessors = 0, major = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  Check(major >= 9, __FILE__, __LINE__, "device", "needs sm_90 or later (TMA)");
-  cudaDeviceProp properties{};
-  CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
-  cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreate(&stream));
-  const absl::StatusOr<double> copy =
-      treeverify::kernels::cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream);
-  Check(copy.ok(), __FILE__, __LINE__, "MeasureCopyBandwidth", copy.status().ToString().c_str());
+  const treeverify::bench::TmaProbeDevice probe = treeverify::bench::SetUpTmaProbeDevice();
+  const cudaDeviceProp& properties = probe.properties;
+  const int multiprocessors = probe.multiprocessors;
+  cudaStream_t stream = probe.stream;
+  const double copy = probe.copy_bytes_per_s;
 
   const char* names[kMaxSegments] = {"[q_a; kv_a]", "q_b", "o_proj"};
   const int32_t shapes[kMaxSegments][2] = {{2112, 7168}, {1536, 1536}, {7168, 1024}};
@@ -386,11 +379,11 @@ int main(int argc, char** argv) {
       line, sizeof(line),
       "device %s, %d SMs, %d blocks of %d threads, copy bandwidth %.2f TB/s\n\n"
       "| variant | bytes (MB) | us | TB/s | %% of copy bandwidth |\n|---|---|---|---|---|\n",
-      properties.name, multiprocessors, grid, kThreads, *copy / 1e12);
+      properties.name, multiprocessors, grid, kThreads, copy / 1e12);
   table += line;
   auto row = [&](const std::string& name, double b, double us) {
     std::snprintf(line, sizeof(line), "| %s | %.1f | %.1f | %.2f | %.0f %% |\n", name.c_str(),
-                  b / 1e6, us, b / us / 1e6, 100.0 * (b / *copy) / (us / 1e6));
+                  b / 1e6, us, b / us / 1e6, 100.0 * (b / copy) / (us / 1e6));
     table += line;
   };
   for (int s = 0; s < kMaxSegments; ++s) {

@@ -30,7 +30,7 @@
 #include "probe_common.h"
 #include "sm90_primitives.cuh"
 #include "tensor_map.h"
-#include "treeverify/kernels/cuda/copy_bandwidth.h"
+#include "tma_probe_device.h"
 
 namespace {
 
@@ -143,18 +143,11 @@ using treeverify::bench::Median;
 int main(int argc, char** argv) {
   const std::optional<std::string> out_argument = treeverify::bench::OutDirArgument(argc, argv);
   if (!out_argument) return 2;
-  int device = 0, multiprocessors = 0, major = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  Check(major >= 9, __FILE__, __LINE__, "device", "needs sm_90 or later (TMA)");
-  cudaDeviceProp properties{};
-  CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
-  cudaStream_t stream = nullptr;
-  CHECK_CUDA(cudaStreamCreate(&stream));
-  const absl::StatusOr<double> copy =
-      treeverify::kernels::cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream);
-  Check(copy.ok(), __FILE__, __LINE__, "MeasureCopyBandwidth", copy.status().ToString().c_str());
+  const treeverify::bench::TmaProbeDevice probe = treeverify::bench::SetUpTmaProbeDevice();
+  const cudaDeviceProp& properties = probe.properties;
+  const int multiprocessors = probe.multiprocessors;
+  cudaStream_t stream = probe.stream;
+  const double copy = probe.copy_bytes_per_s;
 
   const int smem = 1024 + kStages * (kStageBytes + 16) + 16;
   CHECK_CUDA(
@@ -198,7 +191,7 @@ int main(int argc, char** argv) {
   std::snprintf(line, sizeof(line),
                 "device %s, %d SMs, %d blocks, %d slots of %d KB, copy bandwidth %.2f TB/s\n\n"
                 "| variant | MB | us | TB/s | %% of copy bandwidth |\n|---|---|---|---|---|\n",
-                properties.name, multiprocessors, grid, kStages, kStageBytes / 1024, *copy / 1e12);
+                properties.name, multiprocessors, grid, kStages, kStageBytes / 1024, copy / 1e12);
   table += line;
   for (const Variant& v : variants) {
     const Params p{.layout = v.layout,
@@ -223,7 +216,7 @@ int main(int argc, char** argv) {
     }
     const double us = Median(times);
     std::snprintf(line, sizeof(line), "| %s | %.1f | %.1f | %.2f | %.0f %% |\n", v.name,
-                  bytes / 1e6, us, bytes / us / 1e6, 100.0 * (bytes / *copy) / (us / 1e6));
+                  bytes / 1e6, us, bytes / us / 1e6, 100.0 * (bytes / copy) / (us / 1e6));
     table += line;
   }
   std::fputs(table.c_str(), stdout);
