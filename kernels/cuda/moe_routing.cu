@@ -343,7 +343,17 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
         experts.tokens, " vs ", routing.tokens, ", top_k ", experts.top_k, " vs ", routing.top_k,
         ") and hold experts [", experts.first_expert, ", +", experts.num_local_experts, ")"));
   }
+  // Everything the host can check, before anything asks the device.
   TV_RETURN_IF_ERROR(CheckRouting(routing));
+  const moe::Workspace w =
+      moe::Carve(workspace, experts.tokens, experts.top_k, experts.num_local_experts,
+                 experts.intermediate, experts.hidden);
+  if (workspace == nullptr || workspace_bytes < w.bytes ||
+      reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::MoeRoutingAndGrouping: needs a 256-byte aligned workspace of ", w.bytes,
+                     " bytes, got ", workspace_bytes));
+  }
   const int64_t smem =
       moe::GroupKernelSmemBytes(routing.tokens * routing.top_k, experts.num_local_experts);
   cudaFuncAttributes kernel{};
@@ -353,15 +363,6 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
     // A prefill batch: MoeExperts groups it over chunks.
     TV_RETURN_IF_ERROR(MoeRouting(routing, stream));
     return MoeGrouping::kInExperts;
-  }
-  const moe::Workspace w =
-      moe::Carve(workspace, experts.tokens, experts.top_k, experts.num_local_experts,
-                 experts.intermediate, experts.hidden);
-  if (workspace == nullptr || workspace_bytes < w.bytes ||
-      reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda::MoeRoutingAndGrouping: needs a 256-byte aligned workspace of ", w.bytes,
-                     " bytes, got ", workspace_bytes));
   }
   if (routing.tokens == 0) return MoeGrouping::kInExperts;
   TV_RETURN_IF_ERROR(LaunchRouting(routing,
