@@ -167,10 +167,11 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     const int64_t intermediate = weights.plan.expert_intermediate.size();
     TV_ASSIGN_OR_RETURN(out.moe.tiled, ExpertsAsTiles(hidden, intermediate));
     DeviceMoeWeights& d_moe = out.moe;
-    const bool rows = !d_moe.tiled;  // row-major with pointers, else only on the way to tiles
-    TV_RETURN_IF_ERROR(PackRows(moe.gate_proj, d_moe.gate, rows ? &d_moe.gate_ptrs : nullptr));
-    TV_RETURN_IF_ERROR(PackRows(moe.up_proj, d_moe.up, rows ? &d_moe.up_ptrs : nullptr));
-    TV_RETURN_IF_ERROR(PackRows(moe.down_proj, d_moe.down, rows ? &d_moe.down_ptrs : nullptr));
+    // Row-major with pointers where they stay so, else only on the way to the tiles.
+    const bool keep_rows = !d_moe.tiled;
+    TV_RETURN_IF_ERROR(PackRows(moe.gate_proj, d_moe.gate, keep_rows ? &d_moe.gate_ptrs : nullptr));
+    TV_RETURN_IF_ERROR(PackRows(moe.up_proj, d_moe.up, keep_rows ? &d_moe.up_ptrs : nullptr));
+    TV_RETURN_IF_ERROR(PackRows(moe.down_proj, d_moe.down, keep_rows ? &d_moe.down_ptrs : nullptr));
     if (d_moe.tiled) {
       TV_RETURN_IF_ERROR(
           TileExperts(d_moe, static_cast<int64_t>(moe.gate_proj.size()), hidden, intermediate));

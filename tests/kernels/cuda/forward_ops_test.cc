@@ -1119,11 +1119,9 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
       const int32_t active = d_active.ToHost()[0];
       EXPECT_GT(active, 0);
       // Garbage everywhere the fused launch must write, and in the workspace past its count.
-      for (void* buffer : {static_cast<void*>(d_out.get()), static_cast<void*>(d_ids.get()),
-                           static_cast<void*>(d_weights.get())}) {
-        ASSERT_EQ(cudaMemset(buffer, 0xff, buffer == d_out.get() ? d_out.bytes() : d_ids.bytes()),
-                  cudaSuccess);
-      }
+      ASSERT_EQ(cudaMemset(d_out.get(), 0xff, d_out.bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_ids.get(), 0xff, d_ids.bytes()), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_weights.get(), 0xff, d_weights.bytes()), cudaSuccess);
       ASSERT_EQ(cudaMemset(workspace.get() + 256, 0xff, bytes - 256), cudaSuccess);
       ASSERT_EQ(cudaMemset(d_active.get(), 0, sizeof(int32_t)), cudaSuccess);
       const absl::StatusOr<MoeGrouping> grouping =
