@@ -87,8 +87,12 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
   }
 }
 
-// Block = (tile, column block): blockIdx.x = column_block * max_tiles + tile, so the tiles of one
-// expert (adjacent in the list) read the same weight rows at about the same time, through L2.
+// Block = (tile, column block): blockIdx.x = turn * max_tiles + tile, column block = (turn +
+// the tile's expert) mod the column blocks. The tiles of one expert (adjacent in the list) read
+// the same weight rows at about the same time, through L2, and the experts side by side read
+// different row tiles: with the weights as tiles, each expert's row tile is one run of memory,
+// and runs at the same offset of every expert at once made the stage loads 27 % slower
+// (bench/NOTES.md, step 123).
 template <bool kGateUp>
 __global__ void __launch_bounds__(kGemmThreads)
     ExpertGemmKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t max_tiles) {
@@ -96,8 +100,10 @@ __global__ void __launch_bounds__(kGemmThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   const int32_t tile = blockIdx.x % max_tiles;
   if (tile >= *w.num_tiles) return;
-  const int64_t column_block = blockIdx.x / max_tiles;
   const int32_t expert = w.tile_expert[tile];
+  const int64_t column_blocks =
+      kGateUp ? p.intermediate / (kGemmWeightRows / 2) : p.hidden / kGemmWeightRows;
+  const int64_t column_block = (blockIdx.x / max_tiles + expert) % column_blocks;
   const int32_t first = w.tile_pair[tile];
   const int pairs = min(kGemmPairs, w.offsets[expert + 1] - first);
   // Output columns of this block: 64 of gate/up (intermediate), or 128 of down (hidden).

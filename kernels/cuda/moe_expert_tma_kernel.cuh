@@ -311,6 +311,9 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   const int a_row = kGateUp ? 8 * warp + lane % 8 + (lane / 8 % 2) * (kTmaRows / 2)
                             : 16 * warp + lane % 8 + (lane / 8 % 2) * 8;
   float acc[kTmaPasses][4] = {};
+  // Down: the entries (token * top_k + slot) of this thread's pairs, loaded at the group's first
+  // stage so that the stores at its last do not wait for them.
+  int32_t entries[kTmaPasses][2] = {};
   for (int32_t stage = 0;; ++stage) {
     const int32_t slot = stage % stages;
     sm90::MbarrierWait(&full[slot], (stage / stages) & 1);
@@ -321,6 +324,14 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       for (int pass = 0; pass < kTmaPasses; ++pass) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
+        if constexpr (!kGateUp) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int token = 8 * pass + 2 * q + i;
+            entries[pass][i] =
+                token < ticket.Count() ? w.pair_entry[ticket.group_begin + token] : 0;
+          }
+        }
       }
     }
     const uint8_t* weights = slots + slot * kTmaStageBytes;
@@ -357,8 +368,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       for (int i = 0; i < 2; ++i) {
         const int token = 8 * pass + 2 * q + i;
         if (token >= ticket.Count()) continue;
-        const int32_t pair = ticket.group_begin + token;
         if constexpr (kGateUp) {
+          const int32_t pair = ticket.group_begin + token;
           const int64_t row = ticket.row0 + 8 * warp + g;
           if (row >= p.intermediate) continue;
           const float gate = acc[pass][i], up = acc[pass][2 + i];
@@ -375,7 +386,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
         } else {
           const int64_t row = ticket.row0 + 16 * warp + g;
           const int64_t part = ticket.Part();
-          float* out = w.expert_out + (part * p.tokens * p.top_k + w.pair_entry[pair]) * p.hidden;
+          float* out = w.expert_out + (part * p.tokens * p.top_k + entries[pass][i]) * p.hidden;
           if (row < p.hidden) out[row] = acc[pass][i];
           if (row + 8 < p.hidden) out[row + 8] = acc[pass][2 + i];
         }
