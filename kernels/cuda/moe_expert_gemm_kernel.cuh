@@ -91,8 +91,8 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
 // the tile's expert) mod the column blocks. The tiles of one expert (adjacent in the list) read
 // the same weight rows at about the same time, through L2, and the experts side by side read
 // different row tiles: with the weights as tiles, each expert's row tile is one run of memory,
-// and runs at the same offset of every expert at once made the stage loads 27 % slower
-// (bench/NOTES.md, step 123).
+// and runs at the same offset of every expert at once were a third of what reading the tiles
+// cost this kernel (27 %; bench/NOTES.md, steps 118 and 123).
 template <bool kGateUp>
 __global__ void __launch_bounds__(kGemmThreads)
     ExpertGemmKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t max_tiles) {
