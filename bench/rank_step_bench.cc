@@ -18,6 +18,10 @@
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
 //                   [--prefill 4096,46080 [--prefill-chunk 8192]] [--dense resident|cublas]
+//                   [--shared-experts 1]
+//
+// --shared-experts 0 takes the shared expert (and the side stream it runs on) out of the model:
+// what the routed experts' phase costs on its own (bench/NOTES.md, step 125).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -60,6 +64,7 @@ struct Args {
   std::vector<int64_t> prefill;  // prompt lengths; empty: verify steps
   int64_t prefill_chunk = kMaxChainRows;
   bool resident_products = true;  // --dense cublas: every dense product through cuBLASLt
+  int shared_experts = 1;         // Kimi-K2's; 0 for the routed experts alone
 };
 
 ModelConfig KimiK2(int layers) {
@@ -315,6 +320,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
                                      *std::max_element(args.trees.begin(), args.trees.end())
                                : *std::max_element(args.prefill.begin(), args.prefill.end());
   ModelConfig config = KimiK2(1);
+  config.n_shared_experts = args.shared_experts;
   TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
   int layers = args.layers;
   if (layers == 0) {
@@ -476,6 +482,10 @@ absl::Status Main(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("--dense resident or cublas; got ", value));
       }
       args.resident_products = value == "resident";
+    } else if (flag == "--shared-experts") {
+      if (!absl::SimpleAtoi(value, &args.shared_experts) || args.shared_experts < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--shared-experts 0, 1, ...; got ", value));
+      }
     } else if (flag == "--sharding") {
       args.shardings.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {
