@@ -81,6 +81,21 @@ struct StageTicket {
 };
 static_assert(kTmaTokens <= 0xff);
 
+// A position in the ring of slots: the slot and the parity of its mbarriers' current phase, moved
+// on one stage at a time. (Dividing the stage number by the runtime slot count cost ~40
+// instructions a division, two a stage on the producer's dependent chain and one on each
+// consumer's: bench/NOTES.md, step 127.)
+struct RingPosition {
+  int32_t slot = 0;
+  uint32_t parity = 0;
+  __device__ void Advance(int32_t stages) {
+    if (++slot == stages) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+};
+
 // Dynamic shared memory for `stages` slots: the slots (1024-aligned), then the mbarriers and the
 // tickets; 1024 bytes of slack for the alignment.
 __host__ __device__ constexpr int TmaSmemBytes(int stages) {
@@ -240,9 +255,9 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
                                          : DownTileLayout(p.hidden, p.intermediate);
     // A stage's ticket and weight tiles, once its slot is free (lane 0; the full barrier then
     // waits for the token rows' 32 arrivals).
-    auto issue_weights = [&](int32_t stage, bool more, const ExpertWalk& at) {
-      const int32_t slot = stage % stages;
-      sm90::MbarrierWait(&empty[slot], ((stage / stages) & 1) ^ 1);
+    auto issue_weights = [&](const RingPosition& ring, bool more, const ExpertWalk& at) {
+      const int32_t slot = ring.slot;
+      sm90::MbarrierWait(&empty[slot], ring.parity ^ 1);
       if (lane != 0) return;
       const int32_t count = more ? at.group_end - at.group_begin : 0;
       const int32_t bits = count | (at.FirstOfGroup() ? StageTicket::kFirst : 0) |
@@ -257,33 +272,41 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
                        &full[slot]);
       }
     };
-    // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier.
+    // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier. Lane l
+    // copies unit l % 8 of rows l / 8 + 4 * turn; in the slot's swizzle those sit at turn * 512
+    // bytes plus one of two lane offsets, by the turn's parity (the swizzle's row & 7), computed
+    // once. Rows past the group's count are not copied (nor read).
     constexpr int kTokenTurns = kTmaTokens * 8 / 32;
+    const uint32_t token_unit_even = sm90::Swizzle128(lane / 8, 8 * (lane % 8));
+    const uint32_t token_unit_odd = token_unit_even ^ (4 << 4);  // the unit's bit 2 flipped
     const Bf16* token_rows[kTokenTurns] = {};
+    int32_t token_turns = 0;  // this lane's rows of the group
     int32_t token_group = -1;
-    auto issue_tokens = [&](int32_t stage, int32_t length) {
-      const int32_t slot = stage % stages;
+    auto issue_tokens = [&](const RingPosition& ring, int32_t length) {
+      const int32_t slot = ring.slot;
       const StageTicket ticket = tickets[slot];
-      if (ticket.Count() > 0) {
-        if (ticket.group_begin != token_group) {
-          token_group = ticket.group_begin;
+      if (ticket.group_begin != token_group) {
+        token_group = ticket.group_begin;
+        token_turns = max(0, (ticket.Count() - lane / 8 + 3) / 4);
 #pragma unroll
-          for (int turn = 0; turn < kTokenTurns; ++turn) {
-            const int32_t token = lane / 8 + 4 * turn, pair = ticket.group_begin + token;
-            token_rows[turn] = nullptr;  // rows past the group's count are not copied (nor read)
-            if (token < ticket.Count()) {
-              token_rows[turn] = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
-                                         : w.activated + int64_t{pair} * p.intermediate;
-            }
+        for (int turn = 0; turn < kTokenTurns; ++turn) {
+          const int32_t pair = ticket.group_begin + lane / 8 + 4 * turn;
+          if (turn < token_turns) {
+            token_rows[turn] = kGateUp ? p.x + int64_t{w.pair_token[pair]} * p.hidden
+                                       : w.activated + int64_t{pair} * p.intermediate;
           }
         }
+      }
+      if (ticket.Count() > 0) {
         const int32_t column = ticket.k0 + 8 * (lane % 8);
+        const bool in_range = column < length;
         uint8_t* tokens = slots + slot * kTmaStageBytes + kTmaWeightBytes;
 #pragma unroll
         for (int turn = 0; turn < kTokenTurns; ++turn) {
-          if (token_rows[turn] == nullptr) continue;
-          mma::CpAsync16(tokens + sm90::Swizzle128(lane / 8 + 4 * turn, 8 * (lane % 8)),
-                         token_rows[turn] + column, column < length);
+          if (turn < token_turns) {
+            mma::CpAsync16(tokens + turn * 512 + (turn % 2 == 0 ? token_unit_even : token_unit_odd),
+                           token_rows[turn] + column, in_range);
+          }
         }
       }
       mma::CpAsyncArriveOn(&full[slot]);
@@ -292,15 +315,20 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     // Down's token rows wait for the predecessor grid, its first `stages` weight tiles do not.
     bool waited = !kIssueBeforeWait;
     int32_t tokens_issued = 0;  // stages whose token rows are out
+    RingPosition weights_at, tokens_at;
     for (int32_t stage = 0;; ++stage) {
       const bool more = walk.Next(w);
-      issue_weights(stage, more, walk);
+      issue_weights(weights_at, more, walk);
+      weights_at.Advance(stages);
       __syncwarp();  // lane 0's ticket, for every lane
       if (!waited && (!more || stage + 1 == stages)) {
         WaitForPredecessorGrid();
         waited = true;
       }
-      while (waited && tokens_issued <= stage) issue_tokens(tokens_issued++, walk.length);
+      for (; waited && tokens_issued <= stage; ++tokens_issued) {
+        issue_tokens(tokens_at, walk.length);
+        tokens_at.Advance(stages);
+      }
       if (!more) return;
     }
   }
@@ -314,9 +342,9 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   // Down: the entries (token * top_k + slot) of this thread's pairs, loaded at the group's first
   // stage so that the stores at its last do not wait for them.
   int32_t entries[kTmaPasses][2] = {};
-  for (int32_t stage = 0;; ++stage) {
-    const int32_t slot = stage % stages;
-    sm90::MbarrierWait(&full[slot], (stage / stages) & 1);
+  for (RingPosition at;; at.Advance(stages)) {
+    const int32_t slot = at.slot;
+    sm90::MbarrierWait(&full[slot], at.parity);
     const StageTicket ticket = tickets[slot];
     if (ticket.Count() == 0) return;
     if (ticket.First()) {
