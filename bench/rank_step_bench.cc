@@ -22,7 +22,16 @@
 //
 // --shared-experts 0 takes the shared expert (and the side stream it runs on) out of the model:
 // what the routed experts' phase costs on its own (bench/NOTES.md, step 125).
+//
+// Each sharding of a list runs in a process of its own (this program again, its rows merged into
+// one JSON): a second worker in one process, after the first's gigabytes were freed, ran up to
+// 8 us a layer slower or faster with the order of its start-up allocations, and measured the copy
+// bandwidth 10 % low in about half the runs (bench/NOTES.md, step 128). A deployed worker is the
+// first in its process.
 #include <cuda_runtime_api.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -453,8 +462,48 @@ absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text) {
   return values;
 }
 
+// Runs this program once per sharding (each with its own --sharding and a temporary --json, the
+// other flags as given) and appends the rows each wrote to `results`.
+absl::Status RunShardingsApart(int argc, char** argv, const std::vector<std::string>& shardings,
+                               nlohmann::json& results) {
+  for (const std::string& sharding : shardings) {
+    char path[] = "/tmp/rank_step_bench.XXXXXX";
+    const int fd = mkstemp(path);
+    if (fd < 0) return absl::InternalError("rank_step_bench: mkstemp failed");
+    close(fd);
+    std::vector<std::string> args = {argv[0]};
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string flag = argv[i];
+      if (flag == "--sharding" || flag == "--json") continue;
+      args.insert(args.end(), {flag, argv[i + 1]});
+    }
+    args.insert(args.end(), {"--sharding", sharding, "--json", path});
+    std::vector<char*> child_argv;
+    for (std::string& a : args) child_argv.push_back(a.data());
+    child_argv.push_back(nullptr);
+    std::fflush(stdout);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, child_argv.data(), environ) != 0) {
+      unlink(path);
+      return absl::InternalError("rank_step_bench: could not start a child for " + sharding);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    std::ifstream in(path);
+    nlohmann::json child = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    unlink(path);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || child.is_discarded()) {
+      return absl::InternalError(absl::StrCat("rank_step_bench: the ", sharding, " run failed"));
+    }
+    results["device"] = child["device"];
+    for (auto& row : child["rows"]) results["rows"].push_back(row);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Main(int argc, char** argv) {
   Args args;
+  std::vector<std::string> sharding_names = {"split", "whole"};  // as args.shardings
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
@@ -488,7 +537,9 @@ absl::Status Main(int argc, char** argv) {
       }
     } else if (flag == "--sharding") {
       args.shardings.clear();
+      sharding_names.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {
+        sharding_names.emplace_back(s);
         if (s == "split") {
           args.shardings.push_back(ExpertSharding::kSplitInside);
         } else if (s == "whole") {
@@ -501,11 +552,16 @@ absl::Status Main(int argc, char** argv) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
     }
   }
-  TV_ASSIGN_OR_RETURN(kernels::cuda::DeviceInfo device, kernels::cuda::QueryDevice(0));
-  std::printf("device: %s, %d SMs\n", device.name.c_str(), device.multiprocessors);
-  nlohmann::json results = {{"device", device.name}, {"rows", nlohmann::json::array()}};
-  for (ExpertSharding sharding : args.shardings) {
-    TV_RETURN_IF_ERROR(RunSharding(args, sharding, device, results));
+  nlohmann::json results = {{"device", ""}, {"rows", nlohmann::json::array()}};
+  if (args.shardings.size() > 1) {  // before this process touches the GPU
+    TV_RETURN_IF_ERROR(RunShardingsApart(argc, argv, sharding_names, results));
+  } else {
+    TV_ASSIGN_OR_RETURN(kernels::cuda::DeviceInfo device, kernels::cuda::QueryDevice(0));
+    std::printf("device: %s, %d SMs\n", device.name.c_str(), device.multiprocessors);
+    results["device"] = device.name;
+    for (ExpertSharding sharding : args.shardings) {
+      TV_RETURN_IF_ERROR(RunSharding(args, sharding, device, results));
+    }
   }
   if (!args.json.empty()) std::ofstream(args.json) << results.dump(1) << "\n";
   return absl::OkStatus();

@@ -41,9 +41,12 @@ using moe::Workspace;
 // expert has ~11 tokens: one group of the streaming kernel, one 64-pair tile here.
 constexpr int64_t kGemmMinTokens = 512;
 
-// out[t] = sum over the token's local experts, ascending id, of weight * output (its down parts
-// added in part order); then + shared. Block (token, 256 hidden dims): every thread's top_k loads
-// are independent.
+// out[t] = sum over the token's local experts, in its top-k order (ascending id), of weight *
+// output (its down parts added in part order); then + shared. Block (token, 256 hidden dims). A
+// thread's loads go out a chunk of kCombineChunk pairs at a time before any add (the loop with a
+// branch per pair waited for one L2 round trip after another: bench/NOTES.md, step 128); the adds
+// keep their order, so the bits are the loop's.
+constexpr int kCombineChunk = 8;
 __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t down_parts) {
   WaitForPredecessorGrid();
   AllowDependentGridLaunch();
@@ -52,18 +55,38 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int
   if (h >= p.hidden) return;
   const int32_t* ids = p.topk_ids + token * p.top_k;
   const float* weights = p.topk_weights + token * p.top_k;
+  const int64_t part_stride = int64_t{p.tokens} * p.top_k * p.hidden;
+  const float shared = p.shared_out != nullptr ? p.shared_out[token * p.hidden + h] : 0.0f;
   float sum = 0.0f;
-  for (int32_t j = 0; j < p.top_k; ++j) {
-    const int32_t local = ids[j] - p.first_expert;
-    if (local < 0 || local >= p.num_local_experts) continue;
-    const float* parts = w.expert_out + (token * p.top_k + j) * p.hidden + h;
-    float value = parts[0];
-    for (int32_t part = 1; part < down_parts; ++part) {
-      value = __fadd_rn(value, parts[part * p.tokens * p.top_k * p.hidden]);
+  for (int32_t first = 0; first < p.top_k; first += kCombineChunk) {
+    bool local[kCombineChunk];
+    float weight[kCombineChunk], value[kCombineChunk];
+#pragma unroll
+    for (int i = 0; i < kCombineChunk; ++i) {
+      const int32_t j = first + i;
+      const int32_t expert = j < p.top_k ? ids[j] - p.first_expert : -1;
+      local[i] = expert >= 0 && expert < p.num_local_experts;
+      weight[i] = local[i] ? weights[j] : 0.0f;
+      value[i] = local[i] ? w.expert_out[(token * p.top_k + j) * p.hidden + h] : 0.0f;
     }
-    sum = __fadd_rn(sum, __fmul_rn(value, weights[j]));
+    for (int32_t part = 1; part < down_parts; ++part) {
+      float more[kCombineChunk];
+#pragma unroll
+      for (int i = 0; i < kCombineChunk; ++i) {
+        more[i] =
+            local[i]
+                ? w.expert_out[part * part_stride + (token * p.top_k + first + i) * p.hidden + h]
+                : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kCombineChunk; ++i) value[i] = __fadd_rn(value[i], more[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineChunk; ++i) {
+      if (local[i]) sum = __fadd_rn(sum, __fmul_rn(value[i], weight[i]));
+    }
   }
-  if (p.shared_out != nullptr) sum = __fadd_rn(sum, p.shared_out[token * p.hidden + h]);
+  if (p.shared_out != nullptr) sum = __fadd_rn(sum, shared);
   p.out[token * p.hidden + h] = sum;
 }
 

@@ -584,6 +584,17 @@ TEST_F(CudaForwardTest, StepAccountCoversThePhases) {
     EXPECT_GT(account->active_experts[1], 0);
     EXPECT_LE(account->active_experts[1], 12);
   }
+  // The copy bandwidth is the device's, measured once per process: a second worker reports the
+  // first one's figure (a second measurement could read 10 % lower: bench/NOTES.md, step 128).
+  auto second = MakeAccountingRunner(dir, solo);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ForwardRequest first_step;
+  first_step.segments.push_back(
+      {.sequence_id = 1, .token_ids = {1, 2, 3, 4}, .parents = SegmentTree::ChainParents(4)});
+  ASSERT_TRUE((*second)->Forward(first_step).ok());
+  ASSERT_TRUE((*second)->last_step_account().has_value());
+  EXPECT_EQ((*second)->last_step_account()->copy_bytes_per_second,
+            (*runner)->last_step_account()->copy_bytes_per_second);
 }
 
 // Each sequence is summarized with its own sampling parameters on the device: the candidates

@@ -125,8 +125,7 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
   DeviceArray<int32_t> active_experts;
   DeviceArray<uint64_t> stamps;
   if (options.account_steps) {
-    TV_ASSIGN_OR_RETURN(copy_bytes_per_second,
-                        cuda::MeasureCopyBandwidth(int64_t{1} << 30, stream));
+    TV_ASSIGN_OR_RETURN(copy_bytes_per_second, cuda::DeviceCopyBandwidth(stream));
     TV_ASSIGN_OR_RETURN(active_experts, DeviceArray<int32_t>::Allocate(c.num_hidden_layers));
     // The step's start, then at most five marks a layer (attention, moe and their all-reduces,
     // the embedding's) and the LM head's.
