@@ -1,10 +1,11 @@
 // MoE routing, one block per token. The scores are computed by all threads; the group top-k
 // runs on one thread with the CPU op's own TopK (top_k.h; a few groups); the expert top-k as
-// sorting networks on 64-bit rank keys (choice, then id): each thread's experts into a list in
-// registers, the lists merged by bitonic merges across lanes and then across warps. A single
-// thread walking 384 experts took 66 us a layer; top_k rounds of a block-wide arg-max 11.7; one
-// warp inserting all 384 experts one compare-exchange after another 12.1 (bench/NOTES.md, step
-// 97): the time is the longest chain of dependent steps a warp waits on.
+// rounds of a warp-wide maximum on 64-bit rank keys (choice, then id): each warp's best top_k of
+// its experts, then warp 0's best of those. A single thread walking 384 experts took 66 us a
+// layer; top_k rounds of a block-wide arg-max 11.7; one warp inserting all 384 experts one
+// compare-exchange after another 12.1 (bench/NOTES.md, step 97); sorted lists merged by bitonic
+// merges across lanes and warps ~3.9 us of a ~10 us routing (step 129). The time is the longest
+// chain of dependent steps a warp waits on: a round here is two redux.sync and a few selects.
 //
 // MoeRoutingAndGrouping: the same kernel, whose last block to finish then groups the step's
 // pairs for MoeExperts (moe_grouping.cuh), one dependent kernel fewer on the MoE's critical path
@@ -27,6 +28,7 @@ namespace {
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kRoutingThreads = 256;
+constexpr int kExpertsPerThread = kMaxExperts / kRoutingThreads;  // expert threadIdx.x + i * 256
 
 // An expert's rank key: the order bits of its choice above, the complement of its id below, so
 // that a larger key is a larger choice or, among equal choices, the lower id (the CPU's TopK
@@ -44,42 +46,28 @@ __device__ __forceinline__ int32_t IdOf(uint64_t key) {
 }
 
 __device__ __forceinline__ uint64_t Larger(uint64_t a, uint64_t b) { return a > b ? a : b; }
-__device__ __forceinline__ uint64_t Smaller(uint64_t a, uint64_t b) { return a > b ? b : a; }
 
-// Inserts `key` into a descending list, dropping its smallest: one compare-exchange per place,
-// selects without branches.
-template <int kK>
-__device__ __forceinline__ void Insert(uint64_t key, uint64_t (&list)[kK]) {
+// The best kK of the keys the warp's lanes hold (kPerLane each; 0: none), in descending order,
+// on every lane; rounds past `count` leave 0. A round is a warp-wide maximum (redux.sync on the
+// keys' high words, then on the low words of the lanes whose best has the maximal high word), its
+// lane clearing the key. Keys are unique, so exactly one lane clears it.
+template <int kK, int kPerLane>
+__device__ __forceinline__ void WarpTopKeys(uint64_t (&keys)[kPerLane], int32_t count,
+                                            uint64_t (&best)[kK]) {
 #pragma unroll
   for (int j = 0; j < kK; ++j) {
-    const uint64_t larger = Larger(list[j], key);
-    key = Smaller(list[j], key);
-    list[j] = larger;
-  }
-}
-
-// Keeps the best kK of this lane's and lane ^ offset's descending lists, descending, on both
-// lanes: the pairwise larger of one list and the other reversed is bitonic, and a bitonic merge
-// (log2 kK levels of independent compare-exchanges) sorts it. Keys are unique, so both lanes
-// end with the same list.
-template <int kK>
-__device__ __forceinline__ void MergeWithLane(uint64_t (&list)[kK], int offset) {
-  static_assert(kK >= 2 && (kK & (kK - 1)) == 0);
-  uint64_t other[kK];
+    best[j] = 0;
+    if (j >= count) continue;
+    uint64_t mine = keys[0];
 #pragma unroll
-  for (int j = 0; j < kK; ++j) other[j] = __shfl_xor_sync(0xffffffffu, list[j], offset);
+    for (int i = 1; i < kPerLane; ++i) mine = Larger(mine, keys[i]);
+    const uint32_t high = static_cast<uint32_t>(mine >> 32);
+    const uint32_t max_high = __reduce_max_sync(0xffffffffu, high);
+    const uint32_t low = high == max_high ? static_cast<uint32_t>(mine) : 0u;
+    const uint32_t max_low = __reduce_max_sync(0xffffffffu, low);
+    best[j] = (uint64_t{max_high} << 32) | max_low;
 #pragma unroll
-  for (int j = 0; j < kK; ++j) list[j] = Larger(list[j], other[kK - 1 - j]);
-#pragma unroll
-  for (int stride = kK / 2; stride > 0; stride /= 2) {
-#pragma unroll
-    for (int j = 0; j < kK; ++j) {
-      if ((j & stride) == 0) {
-        const uint64_t larger = Larger(list[j], list[j + stride]);
-        list[j + stride] = Smaller(list[j], list[j + stride]);
-        list[j] = larger;
-      }
-    }
+    for (int i = 0; i < kPerLane; ++i) keys[i] = keys[i] == best[j] ? 0 : keys[i];
   }
 }
 
@@ -108,9 +96,10 @@ __device__ double BlockSum(double value, double* scratch) {
   return result;
 }
 
-// Block blockIdx.x's token: its top_k ids and weights.
+// Block blockIdx.x's token: its top_k ids and weights. `bias`: noaux_tc's correction bias of this
+// thread's experts (loaded before the wait for the router's logits).
 template <int kK>  // a power of two >= top_k
-__device__ void RouteToken(const MoeRoutingParams& p) {
+__device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExpertsPerThread]) {
   __shared__ float scores[kMaxExperts];
   __shared__ float choice[kMaxExperts];
   __shared__ float group_scores[kMaxExperts];
@@ -128,12 +117,13 @@ __device__ void RouteToken(const MoeRoutingParams& p) {
 
   const bool biased = p.method == MoeTopkMethod::kNoauxTc;
   if (p.scoring == MoeScoring::kSigmoid) {
-    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      const float logit = logits[e];
-      const float bias = biased ? p.correction_bias[e] : 0.0f;  // loaded beside the logit
-      const float score = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logit))));
+#pragma unroll
+    for (int i = 0; i < kExpertsPerThread; ++i) {
+      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
+      if (e >= num_experts) break;
+      const float score = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logits[e]))));
       scores[e] = score;
-      choice[e] = biased ? __fadd_rn(score, bias) : score;
+      choice[e] = biased ? __fadd_rn(score, bias[i]) : score;
     }
   } else {
     double max_logit = -DBL_MAX;
@@ -146,10 +136,13 @@ __device__ void RouteToken(const MoeRoutingParams& p) {
       sum += exp(static_cast<double>(logits[e]) - max_logit);
     }
     sum = BlockSum(sum, scratch);
-    for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < kExpertsPerThread; ++i) {
+      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
+      if (e >= num_experts) break;
       const float score = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
       scores[e] = score;
-      choice[e] = biased ? __fadd_rn(score, p.correction_bias[e]) : score;
+      choice[e] = biased ? __fadd_rn(score, bias[i]) : score;
     }
   }
   __syncthreads();
@@ -183,34 +176,33 @@ __device__ void RouteToken(const MoeRoutingParams& p) {
     __syncthreads();
   }
 
-  // The top kK: every thread's experts into its own list, the warp's lists merged by a
-  // butterfly, then the warps' lists by warp 0. The chain a warp waits on is short: a few
-  // insertions, then 5 + 3 merges of log2(kK) + 1 levels each.
+  // The top top_k: each warp's best of its threads' experts, then warp 0's best of those.
   constexpr int kWarps = kRoutingThreads / 32;
-  __shared__ uint64_t warp_lists[kWarps][kK];
+  constexpr int kCandidatesPerLane = kWarps * kK / 32;
+  static_assert(kWarps * kK % 32 == 0);
+  __shared__ uint64_t warp_lists[kWarps * kK];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  uint64_t keys[kExpertsPerThread];
+#pragma unroll
+  for (int i = 0; i < kExpertsPerThread; ++i) {
+    const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
+    keys[i] = e < num_experts ? RankKey(choice[e], e) : 0;
+  }
   uint64_t list[kK];
+  WarpTopKeys(keys, p.top_k, list);
+  if (lane < kK) {
+    uint64_t entry = 0;
 #pragma unroll
-  for (int j = 0; j < kK; ++j) list[j] = 0;
-  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x)
-    Insert(RankKey(choice[e], e), list);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) MergeWithLane(list, offset);
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < kK; ++j) warp_lists[warp][j] = list[j];
+    for (int j = 0; j < kK; ++j) entry = j == lane ? list[j] : entry;
+    warp_lists[warp * kK + lane] = entry;
   }
   __syncthreads();
   if (warp != 0) return;
+  uint64_t candidates[kCandidatesPerLane];
 #pragma unroll
-  for (int j = 0; j < kK; ++j) list[j] = lane < kWarps ? warp_lists[lane][j] : 0;
-#pragma unroll
-  for (int offset = kWarps / 2; offset > 0; offset /= 2) MergeWithLane(list, offset);
-    // Lanes 0 .. kWarps - 1 hold the merged list; every lane takes lane 0's (a top_k past kWarps
-    // reads entries from lanes that merged nothing).
-#pragma unroll
-  for (int j = 0; j < kK; ++j) list[j] = __shfl_sync(0xffffffffu, list[j], 0);
+  for (int i = 0; i < kCandidatesPerLane; ++i) candidates[i] = warp_lists[lane + 32 * i];
+  WarpTopKeys(candidates, p.top_k, list);  // on every lane
 
   // Lane j < top_k holds the j-th best; its place in the output is its rank by id (ascending ids,
   // as the CPU writes them), and the normalizing sum adds the weights in that order.
@@ -271,11 +263,20 @@ __device__ void GroupIfLast(const MoeRoutingParams& p, const GroupTarget& g) {
 template <int kK>
 __global__ void __launch_bounds__(kRoutingThreads)
     MoeRoutingKernel(MoeRoutingParams p, GroupTarget g) {
-  // A programmatic dependent of the router's product (programmatic_launch.h): its launch hides
-  // behind the predecessor's tail.
+  // A programmatic dependent of the router's product (programmatic_launch.h): its launch, and the
+  // correction bias's loads (a weight, often out of the L2 by the next layer), hide behind the
+  // predecessor's tail.
+  float bias[kExpertsPerThread] = {};
+  if (p.method == MoeTopkMethod::kNoauxTc) {
+#pragma unroll
+    for (int i = 0; i < kExpertsPerThread; ++i) {
+      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
+      if (e < p.num_experts) bias[i] = p.correction_bias[e];
+    }
+  }
   WaitForPredecessorGrid();
   AllowDependentGridLaunch();
-  RouteToken<kK>(p);
+  RouteToken<kK>(p, bias);
   if (g.w.routing_arrivals != nullptr) GroupIfLast(p, g);
 }
 

@@ -684,6 +684,8 @@ TEST_F(CudaForwardOpsTest, MoeRoutingMatchesTheCpuBackend) {
     SCOPED_TRACE(testing::Message() << c.experts << " experts, top " << c.top_k);
     std::vector<float> logits = Random(rng, tokens * c.experts, 2.0f);
     logits[5] = logits[6];  // a tie, which goes to the lower id
+    // Token 2: every logit the same, so (before a bias) every expert ties, across all warps.
+    std::fill(logits.begin() + 2 * c.experts, logits.begin() + 3 * c.experts, 0.25f);
     const std::vector<float> bias = Random(rng, c.experts, 0.1f);
     MoeRoutingParams params{.tokens = tokens,
                             .num_experts = c.experts,
