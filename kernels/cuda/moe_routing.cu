@@ -47,28 +47,22 @@ __device__ __forceinline__ int32_t IdOf(uint64_t key) {
 
 __device__ __forceinline__ uint64_t Larger(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
-// The best kK of the keys the warp's lanes hold (kPerLane each; 0: none), in descending order,
-// on every lane; rounds past `count` leave 0. A round is a warp-wide maximum (redux.sync on the
-// keys' high words, then on the low words of the lanes whose best has the maximal high word), its
-// lane clearing the key. Keys are unique, so exactly one lane clears it.
-template <int kK, int kPerLane>
-__device__ __forceinline__ void WarpTopKeys(uint64_t (&keys)[kPerLane], int32_t count,
-                                            uint64_t (&best)[kK]) {
+// The largest of the keys the warp's lanes hold (kPerLane each; 0: none), on every lane, cleared
+// where it was: a warp-wide maximum by two redux.sync (the keys' high words, then the low words of
+// the lanes whose best has the maximal high word). Keys are unique, so exactly one lane clears it.
+template <int kPerLane>
+__device__ __forceinline__ uint64_t TakeWarpMax(uint64_t (&keys)[kPerLane]) {
+  uint64_t mine = keys[0];
 #pragma unroll
-  for (int j = 0; j < kK; ++j) {
-    best[j] = 0;
-    if (j >= count) continue;
-    uint64_t mine = keys[0];
+  for (int i = 1; i < kPerLane; ++i) mine = Larger(mine, keys[i]);
+  const uint32_t high = static_cast<uint32_t>(mine >> 32);
+  const uint32_t max_high = __reduce_max_sync(0xffffffffu, high);
+  const uint32_t low = high == max_high ? static_cast<uint32_t>(mine) : 0u;
+  const uint32_t max_low = __reduce_max_sync(0xffffffffu, low);
+  const uint64_t best = (uint64_t{max_high} << 32) | max_low;
 #pragma unroll
-    for (int i = 1; i < kPerLane; ++i) mine = Larger(mine, keys[i]);
-    const uint32_t high = static_cast<uint32_t>(mine >> 32);
-    const uint32_t max_high = __reduce_max_sync(0xffffffffu, high);
-    const uint32_t low = high == max_high ? static_cast<uint32_t>(mine) : 0u;
-    const uint32_t max_low = __reduce_max_sync(0xffffffffu, low);
-    best[j] = (uint64_t{max_high} << 32) | max_low;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) keys[i] = keys[i] == best[j] ? 0 : keys[i];
-  }
+  for (int i = 0; i < kPerLane; ++i) keys[i] = keys[i] == best ? 0 : keys[i];
+  return best;
 }
 
 // Block-wide reductions in double over one value per thread, fixed order.
@@ -96,15 +90,26 @@ __device__ double BlockSum(double value, double* scratch) {
   return result;
 }
 
-// Block blockIdx.x's token: its top_k ids and weights. `bias`: noaux_tc's correction bias of this
-// thread's experts (loaded before the wait for the router's logits).
+// Block blockIdx.x's token: its top_k ids and weights. A programmatic dependent of the router's
+// product (programmatic_launch.h): its launch, and noaux_tc's correction bias (a weight, often out
+// of the L2 by the next layer: into `choice`, which the scores then add to), hide behind the
+// predecessor's tail.
 template <int kK>  // a power of two >= top_k
-__device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExpertsPerThread]) {
+__device__ void RouteToken(const MoeRoutingParams& p) {
   __shared__ float scores[kMaxExperts];
   __shared__ float choice[kMaxExperts];
   __shared__ float group_scores[kMaxExperts];
   __shared__ bool group_kept[kMaxExperts];
   __shared__ double scratch[kRoutingThreads / 32];
+  const int32_t num_experts = p.num_experts;
+  const bool biased = p.method == MoeTopkMethod::kNoauxTc;
+  if (biased) {
+    for (int32_t e = threadIdx.x; e < num_experts; e += kRoutingThreads) {
+      choice[e] = p.correction_bias[e];  // read back by this thread only
+    }
+  }
+  WaitForPredecessorGrid();
+  AllowDependentGridLaunch();
   if (p.routed_tokens != nullptr && static_cast<int32_t>(blockIdx.x) >= *p.routed_tokens) {
     for (int32_t j = threadIdx.x; j < p.top_k; j += blockDim.x) {
       p.topk_ids[static_cast<int64_t>(blockIdx.x) * p.top_k + j] = -1;
@@ -112,18 +117,14 @@ __device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExper
     }
     return;
   }
-  const int32_t num_experts = p.num_experts;
   const float* logits = p.router_logits + static_cast<int64_t>(blockIdx.x) * num_experts;
 
-  const bool biased = p.method == MoeTopkMethod::kNoauxTc;
   if (p.scoring == MoeScoring::kSigmoid) {
-#pragma unroll
-    for (int i = 0; i < kExpertsPerThread; ++i) {
-      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
-      if (e >= num_experts) break;
+#pragma unroll 1
+    for (int32_t e = threadIdx.x; e < num_experts; e += kRoutingThreads) {
       const float score = static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(logits[e]))));
       scores[e] = score;
-      choice[e] = biased ? __fadd_rn(score, bias[i]) : score;
+      choice[e] = biased ? __fadd_rn(score, choice[e]) : score;
     }
   } else {
     double max_logit = -DBL_MAX;
@@ -136,13 +137,10 @@ __device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExper
       sum += exp(static_cast<double>(logits[e]) - max_logit);
     }
     sum = BlockSum(sum, scratch);
-#pragma unroll
-    for (int i = 0; i < kExpertsPerThread; ++i) {
-      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
-      if (e >= num_experts) break;
+    for (int32_t e = threadIdx.x; e < num_experts; e += kRoutingThreads) {
       const float score = static_cast<float>(exp(static_cast<double>(logits[e]) - max_logit) / sum);
       scores[e] = score;
-      choice[e] = biased ? __fadd_rn(score, bias[i]) : score;
+      choice[e] = biased ? __fadd_rn(score, choice[e]) : score;
     }
   }
   __syncthreads();
@@ -176,11 +174,14 @@ __device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExper
     __syncthreads();
   }
 
-  // The top top_k: each warp's best of its threads' experts, then warp 0's best of those.
+  // The top top_k: each warp's best of its threads' experts, then warp 0's best of those, one
+  // round a key. The rounds stay loops: the routing runs once a layer, its code out of the
+  // caches by then, so its time follows the code it runs through (bench/NOTES.md, step 130).
   constexpr int kWarps = kRoutingThreads / 32;
   constexpr int kCandidatesPerLane = kWarps * kK / 32;
   static_assert(kWarps * kK % 32 == 0);
   __shared__ uint64_t warp_lists[kWarps * kK];
+  __shared__ uint64_t top[kK];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   uint64_t keys[kExpertsPerThread];
@@ -189,31 +190,33 @@ __device__ void RouteToken(const MoeRoutingParams& p, const float (&bias)[kExper
     const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
     keys[i] = e < num_experts ? RankKey(choice[e], e) : 0;
   }
-  uint64_t list[kK];
-  WarpTopKeys(keys, p.top_k, list);
-  if (lane < kK) {
-    uint64_t entry = 0;
-#pragma unroll
-    for (int j = 0; j < kK; ++j) entry = j == lane ? list[j] : entry;
-    warp_lists[warp * kK + lane] = entry;
+  if (lane < kK) warp_lists[warp * kK + lane] = 0;  // past top_k: no expert
+  __syncwarp();
+#pragma unroll 1
+  for (int32_t j = 0; j < p.top_k; ++j) {
+    const uint64_t best = TakeWarpMax(keys);
+    if (lane == 0) warp_lists[warp * kK + j] = best;
   }
   __syncthreads();
   if (warp != 0) return;
   uint64_t candidates[kCandidatesPerLane];
 #pragma unroll
   for (int i = 0; i < kCandidatesPerLane; ++i) candidates[i] = warp_lists[lane + 32 * i];
-  WarpTopKeys(candidates, p.top_k, list);  // on every lane
-
-  // Lane j < top_k holds the j-th best; its place in the output is its rank by id (ascending ids,
-  // as the CPU writes them), and the normalizing sum adds the weights in that order.
+  // Lane j < top_k takes the j-th best; its place in the output is its rank by id (ascending
+  // ids, as the CPU writes them), and the normalizing sum adds the weights in that order.
   uint64_t mine = 0;
-#pragma unroll
-  for (int j = 0; j < kK; ++j) mine = j == lane ? list[j] : mine;
+#pragma unroll 1
+  for (int32_t j = 0; j < p.top_k; ++j) {
+    const uint64_t best = TakeWarpMax(candidates);
+    if (lane == j) mine = best;
+    if (lane == 0) top[j] = best;
+  }
+  __syncwarp();
   const bool holds = lane < p.top_k;
   const int32_t id = IdOf(mine);
   int32_t place = 0;
-#pragma unroll
-  for (int j = 0; j < kK; ++j) place += (j < p.top_k && IdOf(list[j]) < id) ? 1 : 0;
+#pragma unroll 1
+  for (int32_t j = 0; j < p.top_k; ++j) place += IdOf(top[j]) < id ? 1 : 0;
   // noaux_tc weighs by the plain scores; the softmax routers by the (masked) scores they ranked.
   const float* weight_source = p.method == MoeTopkMethod::kNoauxTc ? scores : choice;
   float weight = holds ? weight_source[id] : 0.0f;
@@ -263,20 +266,7 @@ __device__ void GroupIfLast(const MoeRoutingParams& p, const GroupTarget& g) {
 template <int kK>
 __global__ void __launch_bounds__(kRoutingThreads)
     MoeRoutingKernel(MoeRoutingParams p, GroupTarget g) {
-  // A programmatic dependent of the router's product (programmatic_launch.h): its launch, and the
-  // correction bias's loads (a weight, often out of the L2 by the next layer), hide behind the
-  // predecessor's tail.
-  float bias[kExpertsPerThread] = {};
-  if (p.method == MoeTopkMethod::kNoauxTc) {
-#pragma unroll
-    for (int i = 0; i < kExpertsPerThread; ++i) {
-      const int32_t e = static_cast<int32_t>(threadIdx.x) + i * kRoutingThreads;
-      if (e < p.num_experts) bias[i] = p.correction_bias[e];
-    }
-  }
-  WaitForPredecessorGrid();
-  AllowDependentGridLaunch();
-  RouteToken<kK>(p, bias);
+  RouteToken<kK>(p);
   if (g.w.routing_arrivals != nullptr) GroupIfLast(p, g);
 }
 
