@@ -173,6 +173,7 @@ CudaForward::~CudaForward() {
   if (!Synchronize().ok()) cudaStreamSynchronize(stream_);
   if (side_ != nullptr) side_->Synchronize().IgnoreError();  // before the buffers go
   DropGraphs();
+  cuda::FreeLmHeadSummaryScratch(summary_scratch_);
   cudaStreamDestroy(stream_);
 }
 
@@ -511,10 +512,16 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
     candidate_slots +=
         int64_t{batch.row_offsets[s + 1] - batch.row_offsets[s]} * batch.sampling[s].candidates;
   }
-  if (summaries_.size() < rows || candidates_.size() < candidate_slots) {
+  if (summaries_.size() < rows || candidates_.size() < candidate_slots ||
+      summary_scratch_.rows < rows) {
     TV_RETURN_IF_ERROR(Synchronize());
     TV_RETURN_IF_ERROR(Grow(summaries_, activations_.capacity));
     TV_RETURN_IF_ERROR(Grow(candidates_, std::max<int64_t>(candidate_slots, 1)));
+    if (summary_scratch_.rows < rows) {
+      cuda::FreeLmHeadSummaryScratch(summary_scratch_);
+      TV_ASSIGN_OR_RETURN(summary_scratch_,
+                          cuda::AllocateLmHeadSummaryScratch(activations_.capacity));
+    }
   }
   int64_t candidate_offset = 0;
   for (int32_t s = 0; s < batch.sequences(); ++s) {
@@ -532,7 +539,7 @@ absl::Status CudaForward::Summarize(const BatchInputs& batch, ForwardOutputs& ou
          .positions = inputs_.sample_positions + begin,
          .num_candidates = sampling.candidates,
          .candidates = sampling.candidates > 0 ? candidates_.get() + candidate_offset : nullptr},
-        stream_));
+        summary_scratch_, stream_));
     candidate_offset += count * sampling.candidates;
   }
   TV_RETURN_IF_ERROR(Mark(StepPhase::kLmHead));  // the summaries count to the LM head

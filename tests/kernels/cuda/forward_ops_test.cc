@@ -1148,12 +1148,16 @@ TEST_F(CudaForwardOpsTest, MoeRoutingAndGroupingGroupsAsTheExpertsWould) {
 }
 
 // The summary of the same fp32 logits on both backends: greedy fields, the Gumbel winner and the
-// candidates equal; the log-sum-exps (double sums in another order) within an ulp or two.
+// candidates equal; the log-sum-exps (double sums in another order) within an ulp or two. Both
+// GPU kernels: one block a row, and a row's slices over blocks (vocab 65536: 16 slices of 4096).
 TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
   const unsigned seed = 510;
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
-  for (const int64_t vocab : {int64_t{7}, int64_t{733}, int64_t{20480}}) {
+  absl::StatusOr<LmHeadSummaryScratch> allocated = AllocateLmHeadSummaryScratch(8);
+  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  LmHeadSummaryScratch scratch = *allocated;  // freed at the end
+  for (const int64_t vocab : {int64_t{7}, int64_t{733}, int64_t{20480}, int64_t{65536}}) {
     for (const float temperature : {0.0f, 0.7f}) {
       for (const int32_t candidates : {0, 5, 9}) {
         SCOPED_TRACE(testing::Message()
@@ -1187,34 +1191,46 @@ TEST_F(CudaForwardOpsTest, LmHeadSummaryMatchesTheCpuBackend) {
         params.positions = d_positions.get();
         params.out = d_out.get();
         params.candidates = d_candidates.get();
-        ASSERT_TRUE(LmHeadSummary(params, nullptr).ok());
-        const std::vector<NodeSummary> actual = d_out.ToHost();
-        for (int64_t r = 0; r < rows; ++r) {
-          EXPECT_EQ(actual[r].argmax, expected[r].argmax) << "row " << r;
-          EXPECT_EQ(actual[r].max_logit, expected[r].max_logit) << "row " << r;
-          EXPECT_NEAR(actual[r].log_sum_exp, expected[r].log_sum_exp,
-                      2e-6f * std::abs(expected[r].log_sum_exp) + 1e-6f);
-          EXPECT_EQ(actual[r].sampled_token, expected[r].sampled_token) << "row " << r;
-          EXPECT_EQ(actual[r].sampled_logit, expected[r].sampled_logit) << "row " << r;
-          if (std::isfinite(expected[r].sampled_score)) {
-            EXPECT_NEAR(actual[r].sampled_score, expected[r].sampled_score,
-                        1e-12 * (1.0 + std::abs(expected[r].sampled_score)));
-          } else {  // greedy: the default -inf
-            EXPECT_EQ(actual[r].sampled_score, expected[r].sampled_score);
+        // One block per row, then (candidates aside) a row's slices over several blocks, twice
+        // (the arrival counters zeroed again for the next launch).
+        for (int pass = 0; pass < 3; ++pass) {
+          SCOPED_TRACE(testing::Message() << (pass == 0 ? "one block a row" : "sliced"));
+          ASSERT_EQ(cudaMemset(d_out.get(), 0xff, rows * sizeof(NodeSummary)), cudaSuccess);
+          if (pass == 0) {
+            ASSERT_TRUE(LmHeadSummary(params, nullptr).ok());
+          } else {
+            ASSERT_TRUE(LmHeadSummary(params, scratch, nullptr).ok());
           }
-          EXPECT_NEAR(actual[r].log_sum_exp_at_temperature, expected[r].log_sum_exp_at_temperature,
-                      2e-6f * std::abs(expected[r].log_sum_exp_at_temperature) + 1e-6f);
-        }
-        if (candidates > 0) {
-          const std::vector<Candidate> got = d_candidates.ToHost();
-          for (int64_t i = 0; i < rows * candidates; ++i) {
-            EXPECT_EQ(got[i].token_id, expected_candidates[i].token_id) << "candidate " << i;
-            EXPECT_EQ(got[i].logit, expected_candidates[i].logit) << "candidate " << i;
+          const std::vector<NodeSummary> actual = d_out.ToHost();
+          for (int64_t r = 0; r < rows; ++r) {
+            EXPECT_EQ(actual[r].argmax, expected[r].argmax) << "row " << r;
+            EXPECT_EQ(actual[r].max_logit, expected[r].max_logit) << "row " << r;
+            EXPECT_NEAR(actual[r].log_sum_exp, expected[r].log_sum_exp,
+                        2e-6f * std::abs(expected[r].log_sum_exp) + 1e-6f);
+            EXPECT_EQ(actual[r].sampled_token, expected[r].sampled_token) << "row " << r;
+            EXPECT_EQ(actual[r].sampled_logit, expected[r].sampled_logit) << "row " << r;
+            if (std::isfinite(expected[r].sampled_score)) {
+              EXPECT_NEAR(actual[r].sampled_score, expected[r].sampled_score,
+                          1e-12 * (1.0 + std::abs(expected[r].sampled_score)));
+            } else {  // greedy: the default -inf
+              EXPECT_EQ(actual[r].sampled_score, expected[r].sampled_score);
+            }
+            EXPECT_NEAR(actual[r].log_sum_exp_at_temperature,
+                        expected[r].log_sum_exp_at_temperature,
+                        2e-6f * std::abs(expected[r].log_sum_exp_at_temperature) + 1e-6f);
+          }
+          if (candidates > 0) {
+            const std::vector<Candidate> got = d_candidates.ToHost();
+            for (int64_t i = 0; i < rows * candidates; ++i) {
+              EXPECT_EQ(got[i].token_id, expected_candidates[i].token_id) << "candidate " << i;
+              EXPECT_EQ(got[i].logit, expected_candidates[i].logit) << "candidate " << i;
+            }
           }
         }
       }
     }
   }
+  FreeLmHeadSummaryScratch(scratch);
 }
 
 // The phase clock: stamps on one stream are in order, nanoseconds apart as the host sees them.

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/kernels/cuda/gemm.h"
+#include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/mla_verify_attention.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/worker/communicator.h"
@@ -260,8 +261,9 @@ class CudaForward final : public ForwardBackend {
   int64_t step_rows_ = 0;  // the batch's rows in the step running (the layout's are padded)
   std::vector<uint8_t> staging_;
   std::vector<int32_t> padded_pages_;
-  DeviceArray<kernels::NodeSummary> summaries_;  // [capacity]
-  DeviceArray<kernels::Candidate> candidates_;   // every sequence's [rows, candidates], packed
+  DeviceArray<kernels::NodeSummary> summaries_;          // [capacity]
+  kernels::cuda::LmHeadSummaryScratch summary_scratch_;  // [capacity] rows' slices (freed here)
+  DeviceArray<kernels::Candidate> candidates_;  // every sequence's [rows, candidates], packed
   bool use_graphs_ = true;
   int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
   std::map<StepLayout, Graph> graphs_;
