@@ -149,19 +149,6 @@ struct SlicePartial {
 };
 static_assert(sizeof(SlicePartial) == kLmHeadSlicePartialBytes);
 
-// sum over the slices of sum_s * exp(max_s / T - max / T): the row's sum shifted by its maximum
-// (slices whose maximum is not finite hold nothing finite to add).
-__device__ double CombineSums(const SlicePartial* parts, int32_t slices, bool at_temperature,
-                              double max, double divisor) {
-  double sum = 0.0;
-  for (int32_t s = 0; s < slices; ++s) {
-    if (!isfinite(parts[s].max.value)) continue;
-    const double part = at_temperature ? parts[s].sum_at_temperature : parts[s].sum;
-    sum += part * exp(parts[s].max.value / divisor - max / divisor);
-  }
-  return sum;
-}
-
 // Few rows (a verify step's tree): each row in `gridDim.x` slices of at most kSliceThreads *
 // kLmHeadSliceValues logits, one block each, so that the double exps of a row spread over many
 // multiprocessors (one block per row left 16 of 132 busy: 15.5 us for 16 rows, 11 in slices;
@@ -257,28 +244,42 @@ __global__ void __launch_bounds__(kSliceThreads)
     row_parts[threadIdx.x] = loaded;
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
+  // The row's best and winner, then each slice's term of the shifted sums on a thread of its
+  // own (a double exp each), added by thread 0 in slice order.
   Best row_max = row_parts[0].max, row_sampled = row_parts[0].sampled;
   for (int32_t s = 1; s < slices; ++s) {
     if (Beats(row_parts[s].max, row_max)) row_max = row_parts[s].max;
     if (Beats(row_parts[s].sampled, row_sampled)) row_sampled = row_parts[s].sampled;
   }
-  NodeSummary summary;
   const float max_logit = static_cast<float>(row_max.value);
+  __shared__ double terms[2][kLmHeadMaxSlices];
+  if (threadIdx.x < slices) {
+    const SlicePartial& mine = row_parts[threadIdx.x];
+    const bool counts = isfinite(mine.max.value) && isfinite(max_logit);
+    terms[0][threadIdx.x] = counts ? mine.sum * exp(mine.max.value - double{max_logit}) : 0.0;
+    if (p.temperature > 0.0f) {
+      const double t = p.temperature;
+      terms[1][threadIdx.x] =
+          counts ? mine.sum_at_temperature * exp(mine.max.value / t - double{max_logit} / t) : 0.0;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  NodeSummary summary;
   summary.max_logit = max_logit;
   summary.argmax = static_cast<int32_t>(p.vocab_begin + row_max.index);
-  auto log_sum_exp = [&](bool at_temperature, double divisor) {
+  auto log_sum_exp = [&](int which, double divisor) {
     if (!isfinite(max_logit)) return max_logit;
-    const double shift = static_cast<double>(max_logit) / divisor;
-    return static_cast<float>(
-        shift + log(CombineSums(row_parts, slices, at_temperature, max_logit, divisor)));
+    double sum = 0.0;
+    for (int32_t s = 0; s < slices; ++s) sum += terms[which][s];
+    return static_cast<float>(static_cast<double>(max_logit) / divisor + log(sum));
   };
-  summary.log_sum_exp = log_sum_exp(false, 1.0);
+  summary.log_sum_exp = log_sum_exp(0, 1.0);
   if (p.temperature > 0.0f) {
     summary.sampled_token = static_cast<int32_t>(p.vocab_begin + row_sampled.index);
     summary.sampled_logit = logits[row_sampled.index];
     summary.sampled_score = row_sampled.value;
-    summary.log_sum_exp_at_temperature = log_sum_exp(true, p.temperature);
+    summary.log_sum_exp_at_temperature = log_sum_exp(1, p.temperature);
   }
   p.out[r] = summary;
 }
