@@ -24,10 +24,10 @@
 // what the routed experts' phase costs on its own (bench/NOTES.md, step 125).
 //
 // Each sharding of a list runs in a process of its own (this program again, its rows merged into
-// one JSON): a second worker in one process, after the first's gigabytes were freed, ran up to
-// 8 us a layer slower or faster with the order of its start-up allocations, and measured the copy
-// bandwidth 10 % low in about half the runs (bench/NOTES.md, step 128). A deployed worker is the
-// first in its process.
+// one JSON): a second worker in one process, after the first's gigabytes were freed, measured the
+// copy bandwidth 10 % low in about half the runs, and its MoE phase ran 8 us a layer slower when
+// only the order of its start-up allocations changed (bench/NOTES.md, step 128). A deployed
+// worker is the first in its process.
 #include <cuda_runtime_api.h>
 #include <spawn.h>
 #include <sys/wait.h>

@@ -4,8 +4,8 @@
 // its experts, then warp 0's best of those. A single thread walking 384 experts took 66 us a
 // layer; top_k rounds of a block-wide arg-max 11.7; one warp inserting all 384 experts one
 // compare-exchange after another 12.1 (bench/NOTES.md, step 97); sorted lists merged by bitonic
-// merges across lanes and warps ~3.9 us of a ~10 us routing (step 129). The time is the longest
-// chain of dependent steps a warp waits on: a round here is two redux.sync and a few selects.
+// merges across lanes and warps 10.1 us from the router's end to the routing's, these rounds 9.0
+// (steps 129-130: every phase of this kernel costs a microsecond or two, whatever its work).
 //
 // MoeRoutingAndGrouping: the same kernel, whose last block to finish then groups the step's
 // pairs for MoeExperts (moe_grouping.cuh), one dependent kernel fewer on the MoE's critical path
@@ -175,8 +175,8 @@ __device__ void RouteToken(const MoeRoutingParams& p) {
   }
 
   // The top top_k: each warp's best of its threads' experts, then warp 0's best of those, one
-  // round a key. The rounds stay loops: the routing runs once a layer, its code out of the
-  // caches by then, so its time follows the code it runs through (bench/NOTES.md, step 130).
+  // round a key. The rounds are loops, one copy of their code (unrolled they were no faster:
+  // bench/NOTES.md, step 130).
   constexpr int kWarps = kRoutingThreads / 32;
   constexpr int kCandidatesPerLane = kWarps * kK / 32;
   static_assert(kWarps * kK % 32 == 0);
