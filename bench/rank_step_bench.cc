@@ -27,7 +27,8 @@
 // one JSON): a second worker in one process, after the first's gigabytes were freed, measured the
 // copy bandwidth 10 % low in about half the runs, and its MoE phase ran 8 us a layer slower when
 // only the order of its start-up allocations changed (bench/NOTES.md, step 128). A deployed
-// worker is the first in its process.
+// worker is the first in its process. (A CUPTI trace, TREEVERIFY_TRACE, is each child's own: trace
+// one sharding at a time, or the last child's trace replaces the first's.)
 #include <cuda_runtime_api.h>
 #include <spawn.h>
 #include <sys/wait.h>
