@@ -151,9 +151,9 @@ static_assert(sizeof(SlicePartial) == kLmHeadSlicePartialBytes);
 
 // Few rows (a verify step's tree): each row in `gridDim.x` slices of at most kSliceThreads *
 // kLmHeadSliceValues logits, one block each, so that the double exps of a row spread over many
-// multiprocessors (one block per row left 16 of 132 busy: 15.5 us for 16 rows, 11 in slices;
-// bench/NOTES.md, step 132); the last slice of a row to arrive combines the row's partials in slice
-// order. A thread's logits are loaded at once, before any compare.
+// multiprocessors (one block per row left 16 of 132 busy: 15.5 us for 16 rows, 9.8 in slices;
+// bench/NOTES.md, steps 132-133); the last slice of a row to arrive combines the row's partials in
+// slice order. A thread's logits are loaded at once, before any compare.
 __global__ void __launch_bounds__(kSliceThreads)
     LmHeadSliceKernel(LmHeadSummaryParams p, SlicePartial* partials, uint32_t* arrivals) {
   __shared__ Best best_scratch[kSliceThreads / 32];
