@@ -243,6 +243,11 @@ absl::StatusOr<double> MeasureTensorRate(cudaStream_t stream) {
   return rates[rates.size() / 2];
 }
 
+// The --sharding spelling of a sharding.
+const char* ShardingName(ExpertSharding sharding) {
+  return sharding == ExpertSharding::kSplitInside ? "split" : "whole";
+}
+
 // Time to first token of each prompt length: its chunks' steps in order (twice: the first pass
 // warms plans and buffers), the sum of the second pass's against the FLOP floor.
 absl::Status RunPrefill(const Args& args, const ModelConfig& config, const ShardingPlan& plan,
@@ -344,7 +349,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
   config.num_hidden_layers = layers;
   config.n_routed_experts = 384;
   TV_ASSIGN_OR_RETURN(plan, ShardingPlan::Make(config, 0, 8, sharding));
-  const char* sharding_name = sharding == ExpertSharding::kSplitInside ? "split" : "whole";
+  const char* sharding_name = ShardingName(sharding);
   std::printf("sharding %s: %d layers, %lld local experts x %lld columns\n", sharding_name, layers,
               static_cast<long long>(plan.experts.size()),
               static_cast<long long>(plan.expert_intermediate.size()));
@@ -465,9 +470,10 @@ absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text) {
 
 // Runs this program once per sharding (each with its own --sharding and a temporary --json, the
 // other flags as given) and appends the rows each wrote to `results`.
-absl::Status RunShardingsApart(int argc, char** argv, const std::vector<std::string>& shardings,
+absl::Status RunShardingsApart(int argc, char** argv, const std::vector<ExpertSharding>& shardings,
                                nlohmann::json& results) {
-  for (const std::string& sharding : shardings) {
+  for (const ExpertSharding each : shardings) {
+    const std::string sharding = ShardingName(each);
     char path[] = "/tmp/rank_step_bench.XXXXXX";
     const int fd = mkstemp(path);
     if (fd < 0) return absl::InternalError("rank_step_bench: mkstemp failed");
@@ -504,7 +510,6 @@ absl::Status RunShardingsApart(int argc, char** argv, const std::vector<std::str
 
 absl::Status Main(int argc, char** argv) {
   Args args;
-  std::vector<std::string> sharding_names = {"split", "whole"};  // as args.shardings
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
@@ -538,9 +543,7 @@ absl::Status Main(int argc, char** argv) {
       }
     } else if (flag == "--sharding") {
       args.shardings.clear();
-      sharding_names.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) {
-        sharding_names.emplace_back(s);
         if (s == "split") {
           args.shardings.push_back(ExpertSharding::kSplitInside);
         } else if (s == "whole") {
@@ -555,7 +558,7 @@ absl::Status Main(int argc, char** argv) {
   }
   nlohmann::json results = {{"device", ""}, {"rows", nlohmann::json::array()}};
   if (args.shardings.size() > 1) {  // before this process touches the GPU
-    TV_RETURN_IF_ERROR(RunShardingsApart(argc, argv, sharding_names, results));
+    TV_RETURN_IF_ERROR(RunShardingsApart(argc, argv, args.shardings, results));
   } else {
     TV_ASSIGN_OR_RETURN(kernels::cuda::DeviceInfo device, kernels::cuda::QueryDevice(0));
     std::printf("device: %s, %d SMs\n", device.name.c_str(), device.multiprocessors);
