@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "mla_verify_combine_kernel.cuh"
 #include "mla_verify_common.cuh"
 #include "mla_verify_mma_kernel.cuh"
@@ -128,15 +129,26 @@ absl::Status ValidateShape(const MlaVerifyShape& s) {
         " (a multiple of 4 up to ", mla::kSimtMaxLatentPerLane * 32, "), rope_dim ", s.rope_dim,
         " (0..", kMaxRopeDim, "), page_size ", s.page_size));
   }
+  if (s.min_live_seqs < 0 || s.min_live_seqs > s.num_seqs ||
+      (s.min_live_seqs > 0 && s.num_seqs - s.min_live_seqs >= kMaxLiveCounts)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA verify shape: min_live_seqs ", s.min_live_seqs, " of num_seqs ", s.num_seqs,
+        " (0: all live; else at most ", kMaxLiveCounts, " live counts up to num_seqs)"));
+  }
   return absl::OkStatus();
+}
+
+// Whether a launch of `s` may have padding sequences (and reads its live count on the device).
+bool HasPaddingSequences(const MlaVerifyShape& s) {
+  return s.min_live_seqs > 0 && s.min_live_seqs < s.num_seqs;
 }
 
 // What a plan fixed that a launch must keep: everything but row_capacity (the q / out buffers may
 // grow; the tensor maps are made per launch).
 bool SamePlannedShape(const MlaVerifyShape& a, const MlaVerifyShape& b) {
-  return a.num_seqs == b.num_seqs && a.max_rows_per_seq == b.max_rows_per_seq &&
-         a.num_heads == b.num_heads && a.latent_dim == b.latent_dim && a.rope_dim == b.rope_dim &&
-         a.page_size == b.page_size;
+  return a.num_seqs == b.num_seqs && a.min_live_seqs == b.min_live_seqs &&
+         a.max_rows_per_seq == b.max_rows_per_seq && a.num_heads == b.num_heads &&
+         a.latent_dim == b.latent_dim && a.rope_dim == b.rope_dim && a.page_size == b.page_size;
 }
 
 bool Aligned(const void* pointer, uintptr_t bytes) {
@@ -237,8 +249,18 @@ constexpr int32_t kMaxSplitsMergedInGrid = 40;
 absl::StatusOr<bool> ChooseMergeInGrid(const MlaVerifyPlan& plan, const MlaVerifyShape& shape,
                                        int64_t capacity, MlaVerifyOptions::Merge merge) {
   if (plan.nsplit == 1 || merge == MlaVerifyOptions::Merge::kSeparateKernel) return false;
+  // With padding sequences, the blocks that find no keys leave without waiting: what must be
+  // resident at once are the live ones, at every live count.
+  int64_t live_blocks = plan.blocks;
+  if (!plan.live_nsplit.empty()) {
+    live_blocks = 0;
+    for (size_t i = 0; i < plan.live_nsplit.size(); ++i) {
+      live_blocks = std::max(live_blocks, (shape.min_live_seqs + static_cast<int64_t>(i)) *
+                                              plan.row_tiles * plan.live_nsplit[i]);
+    }
+  }
   const bool possible =
-      plan.kernel == MlaVerifyKernel::kWgmmaWide && plan.blocks <= capacity &&
+      plan.kernel == MlaVerifyKernel::kWgmmaWide && live_blocks <= capacity &&
       static_cast<int64_t>(shape.num_seqs) * plan.row_tiles <= mla::kMaxMergeGroups;
   if (merge == MlaVerifyOptions::Merge::kInGrid) {
     if (!possible) {
@@ -280,12 +302,18 @@ const char* MlaVerifyKernelName(MlaVerifyKernel kernel) {
 }
 
 std::string MlaVerifyPlan::ToString() const {
-  return absl::StrFormat(
-      "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
-      "min_split_keys=%d smem=%d workspace=%d overlap=%d stagger=%d merge=%s",
-      MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
-      min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0,
-      stagger_first_tiles ? 1 : 0, nsplit == 1 ? "none" : (merge_in_grid ? "grid" : "kernel"));
+  const std::string live = live_nsplit.empty()
+                               ? ""
+                               : absl::StrCat(" live=", shape.min_live_seqs, "..", shape.num_seqs,
+                                              " live_nsplit=", absl::StrJoin(live_nsplit, ","));
+  return absl::StrCat(
+      absl::StrFormat(
+          "kernel=%s row_tile=%d row_tiles=%d nsplit=%d blocks=%d blocks_per_sm=%d waves=%.2f "
+          "min_split_keys=%d smem=%d workspace=%d overlap=%d stagger=%d merge=%s",
+          MlaVerifyKernelName(kernel), row_tile, row_tiles, nsplit, blocks, blocks_per_sm, waves,
+          min_split_keys, smem_bytes, workspace_bytes, overlap_predecessor ? 1 : 0,
+          stagger_first_tiles ? 1 : 0, nsplit == 1 ? "none" : (merge_in_grid ? "grid" : "kernel")),
+      live);
 }
 
 int32_t ChooseSplitCount(int64_t base_blocks, int64_t capacity) {
@@ -405,9 +433,20 @@ absl::StatusOr<MlaVerifyPlan> PlanMlaVerify(const MlaVerifyShape& shape, const D
   const bool shared_key_tiles = plan.kernel != MlaVerifyKernel::kSimt && plan.row_tiles > 1;
   plan.min_split_keys = options.min_split_keys > 0 ? options.min_split_keys
                                                    : (shared_key_tiles ? 2 : 1) * kMlaKeyTile;
-  const int64_t base_blocks = static_cast<int64_t>(plan.row_tiles) * shape.num_seqs;
   const int64_t capacity = static_cast<int64_t>(device.multiprocessors) * plan.blocks_per_sm;
-  plan.nsplit = ChooseSplits(base_blocks, capacity, options);
+  if (HasPaddingSequences(shape)) {
+    // Each live count's NSPLIT as its exact launch would plan it; the grid takes the most.
+    plan.nsplit = 1;
+    for (int32_t live = shape.min_live_seqs; live <= shape.num_seqs; ++live) {
+      plan.live_nsplit.push_back(
+          ChooseSplits(static_cast<int64_t>(plan.row_tiles) * live, capacity, options));
+      plan.nsplit = std::max(plan.nsplit, plan.live_nsplit.back());
+    }
+  } else {
+    plan.nsplit =
+        ChooseSplits(static_cast<int64_t>(plan.row_tiles) * shape.num_seqs, capacity, options);
+  }
+  const int64_t base_blocks = static_cast<int64_t>(plan.row_tiles) * shape.num_seqs;
   const int64_t blocks = base_blocks * plan.nsplit;
   if (blocks > INT32_MAX || plan.row_tiles * static_cast<int64_t>(plan.nsplit) > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("MLA verify: ", blocks, " blocks"));
@@ -433,7 +472,7 @@ absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStrea
 
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifyShape& shape,
                                 const MlaVerifyPlan& plan, void* workspace, int64_t workspace_bytes,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, const int32_t* live_seqs) {
   TV_RETURN_IF_ERROR(ValidateShape(shape));
   if (plan.blocks <= 0 || !SamePlannedShape(plan.shape, shape)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -468,6 +507,11 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
                      " bytes of 256-byte aligned workspace; given ", workspace_bytes,
                      " bytes at 0x", absl::Hex(reinterpret_cast<uintptr_t>(workspace))));
   }
+  if (HasPaddingSequences(shape) && live_seqs == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "MLA verify: a shape with padding sequences (min_live_seqs ", shape.min_live_seqs, " of ",
+        shape.num_seqs, ") needs the device's live count (live_seqs)"));
+  }
   int current = -1;
   TV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
   if (current != plan.device_ordinal) {
@@ -475,11 +519,19 @@ absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& p, const MlaVerifySha
         "MLA verify: a plan for device ", plan.device_ordinal, " launched on device ", current));
   }
   const int32_t packed_rows = shape.max_rows_per_seq * shape.num_heads;
-  const mla::PartialLayout partial =
+  mla::PartialLayout partial =
       plan.nsplit > 1
           ? mla::PartialLayout::At(workspace, shape.num_seqs, plan.nsplit, packed_rows,
                                    shape.latent_dim)
-          : mla::PartialLayout{nullptr, nullptr, 1, packed_rows, shape.latent_dim, nullptr};
+          : mla::PartialLayout{nullptr, nullptr, 1, packed_rows, shape.latent_dim, nullptr, {}};
+  if (HasPaddingSequences(shape) && plan.nsplit > 1) {
+    partial.live.live_seqs = live_seqs;
+    partial.live.min_live = shape.min_live_seqs;
+    partial.live.max_live = shape.num_seqs;
+    for (size_t i = 0; i < plan.live_nsplit.size(); ++i) {
+      partial.live.nsplit[i] = static_cast<int16_t>(plan.live_nsplit[i]);
+    }
+  }
   const bool direct = plan.nsplit == 1;
   const dim3 grid(static_cast<unsigned>(plan.row_tiles * plan.nsplit),
                   static_cast<unsigned>(shape.num_seqs));

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kGroups* kCombineThreadsPerGroup)
   // Before the wait: lengths and offsets were written before the split kernel started.
   const SequenceSpan span = LoadSequence(p, seq);
   const bool row_exists = row < span.rows * p.num_heads;
-  const int32_t splits = NumSplits(span.keys(), partial.nsplit, min_split_keys);
+  const int32_t splits = NumSplits(span.keys(), partial.LaunchSplits(), min_split_keys);
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;

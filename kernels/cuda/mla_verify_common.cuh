@@ -92,13 +92,38 @@ __host__ __device__ inline SplitTiles SplitRange(int32_t keys, int32_t nsplit,
 inline constexpr int64_t kMergeCounterBytes = 16384;
 inline constexpr int kMaxMergeGroups = static_cast<int>(kMergeCounterBytes / 8);
 
+// NSPLIT of a launch whose last sequences may be padding (a CUDA graph captured for a bucket of
+// sequence counts, MlaVerifyShape::min_live_seqs): it follows the number of live sequences, read
+// on the device, so that the live ones get the multiprocessors a padding sequence would otherwise
+// take (NSPLIT is planned from the number of sequences, their lengths being unknown to the host).
+// For n live sequences it is the NSPLIT an exact launch of n would have: the same split boundaries,
+// the same bytes. The grid is sized for the fewest live (the most splits); the blocks of splits
+// past a launch's NSPLIT, and of padding sequences, find no keys and leave.
+struct LiveSplits {
+  const int32_t* live_seqs = nullptr;  // device; null: every sequence is live (NSPLIT = nsplit)
+  int32_t min_live = 1;
+  int32_t max_live = 1;
+  int16_t nsplit[kMaxLiveCounts] = {};  // NSPLIT for min_live + i live sequences
+};
+
 struct PartialLayout {
   float* lse = nullptr;
   void* out = nullptr;
-  int32_t nsplit = 1;
+  int32_t nsplit = 1;    // the grid's splits per sequence: the layout's stride
   int32_t max_rows = 0;  // max_rows_per_seq * num_heads
   int32_t latent_dim = 0;
   uint32_t* merge_counters = nullptr;
+  LiveSplits live;
+
+  // NSPLIT for this launch's sequences (nsplit without padding sequences). A live count out of
+  // range (a caller's bug) is clamped: a wrong split count, never an access outside the layout.
+  __device__ int32_t LaunchSplits() const {
+    if (live.live_seqs == nullptr) return nsplit;
+    const int32_t read = *live.live_seqs;
+    const int32_t n =
+        read < live.min_live ? live.min_live : (read > live.max_live ? live.max_live : read);
+    return live.nsplit[n - live.min_live];
+  }
 
   __host__ __device__ int64_t Index(int seq, int split, int row) const {
     return (static_cast<int64_t>(seq) * nsplit + split) * max_rows + row;
@@ -119,8 +144,13 @@ struct PartialLayout {
     const int64_t rows = static_cast<int64_t>(num_seqs) * nsplit * max_rows;
     char* base = static_cast<char*>(workspace);
     char* lse = base + kMergeCounterBytes;
-    return {reinterpret_cast<float*>(lse),    lse + AlignUp(rows * 4), nsplit, max_rows, latent_dim,
-            reinterpret_cast<uint32_t*>(base)};
+    return {reinterpret_cast<float*>(lse),
+            lse + AlignUp(rows * 4),
+            nsplit,
+            max_rows,
+            latent_dim,
+            reinterpret_cast<uint32_t*>(base),
+            LiveSplits{}};
   }
   static int64_t AlignUp(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 };

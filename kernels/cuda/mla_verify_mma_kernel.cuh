@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int rows = span.rows * heads;
   if (row0 >= rows) return;
   const int32_t keys = span.keys();
-  const SplitTiles tiles = SplitRange(keys, partial.nsplit, min_split_keys, split);
+  const SplitTiles tiles = SplitRange(keys, partial.LaunchSplits(), min_split_keys, split);
   if (tiles.begin == tiles.end) return;  // the merge skips empty splits
   const int valid_rows = min(kMmaRows, rows - row0);
   const int key_begin = tiles.begin * kMlaKeyTile;

@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
     return;
   }
   const int32_t keys = span.keys();
-  const SplitTiles tiles = SplitRange(keys, args.partial.nsplit, args.min_split_keys, split);
+  const int32_t nsplit = args.partial.LaunchSplits();
+  const SplitTiles tiles = SplitRange(keys, nsplit, args.min_split_keys, split);
   if (tiles.begin == tiles.end) {
     WaitForPredecessorGrid();
     return;
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1)
   const int valid_rows = min(kRows64, rows - row0);
   const int64_t global_row0 = static_cast<int64_t>(span.row_begin) * heads + row0;
   // A sequence of one split needs no merge: under the in-grid merge its block writes the output.
-  const int splits = kMergeInGrid ? NumSplits(keys, args.partial.nsplit, args.min_split_keys) : 0;
+  const int splits = kMergeInGrid ? NumSplits(keys, nsplit, args.min_split_keys) : 0;
   const bool write_final = args.direct_output || (kMergeInGrid && splits == 1);
   // The rows go out through shared memory (the free stage above), in bf16 whether final
   // or partial: the accumulator layout gives a thread 4 bytes of bf16 per 8 dims, and stores that

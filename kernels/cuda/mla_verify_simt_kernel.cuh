@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kSimtThreads)
   const SequenceSpan span = LoadSequence(p, seq);
   const int heads = p.num_heads;
   if (row >= span.rows * heads) return;
-  const SplitTiles tiles = SplitRange(span.keys(), partial.nsplit, min_split_keys, split);
+  const SplitTiles tiles = SplitRange(span.keys(), partial.LaunchSplits(), min_split_keys, split);
   if (tiles.begin == tiles.end) return;  // the combine kernel skips empty splits
 
   const int node = row / heads;

@@ -204,7 +204,7 @@ __device__ inline BlockWork LocateBlockWork(const WgmmaArgs& args, int rows_per_
   w.span = LoadSequence(args.p, w.seq);
   w.rows = w.span.rows * args.p.num_heads;
   if (w.row0 >= w.rows) return w;
-  w.tiles = SplitRange(w.span.keys(), args.partial.nsplit, args.min_split_keys, w.split);
+  w.tiles = SplitRange(w.span.keys(), args.partial.LaunchSplits(), args.min_split_keys, w.split);
   w.valid = w.tiles.begin != w.tiles.end;
   return w;
 }

@@ -582,6 +582,68 @@ TEST_F(CudaMlaVerifyTest, TinyModelDimsUseThePortableKernel) {
 // and after the lengths change on the device it computes the new contexts. The graph holds four
 // back-to-back launches on alternating lengths, so with overlap_predecessor each launch starts
 // while the previous one finishes and must still leave exactly the last launch's result.
+// A launch planned for a bucket of sequences (min_live_seqs under num_seqs) whose last ones are
+// padding (no rows, no keys) gives the live sequences the bytes of an exact launch of them: each
+// live count takes the NSPLIT its exact launch plans, read from the device. A bucket of 8 with 5
+// to 8 live sequences, trees of 16 nodes (the wide kernel's 64-row tiles) and of 3 (narrow
+// tiles), every kernel: equal bytes to the exact launch, and close to the CPU.
+TEST_F(CudaMlaVerifyTest, PaddingSequencesGetTheBytesOfAnExactLaunch) {
+  constexpr int kBucket = 8;
+  std::vector<MlaVerifyKernel> kernels = TensorCoreKernels();
+  kernels.push_back(MlaVerifyKernel::kSimt);
+  for (int nodes : {16, 3}) {
+    for (int live = kBucket / 2 + 1; live <= kBucket; ++live) {
+      std::mt19937 rng(500 + live);
+      BatchSpec spec;
+      spec.heads = 8;
+      for (int b = 0; b < kBucket; ++b) {
+        const bool padding = b >= live;
+        spec.committed.push_back(padding ? 0 : std::uniform_int_distribution<int>(2000, 9000)(rng));
+        spec.parents.push_back(padding ? std::vector<int32_t>{} : RandomTree(nodes, rng));
+      }
+      const Problem problem(spec, rng);
+      MlaVerifyShape padded = problem.Shape();
+      padded.min_live_seqs = kBucket / 2 + 1;
+      MlaVerifyShape exact = problem.Shape();
+      exact.num_seqs = live;
+      DeviceProblem device(problem);
+      DeviceBuffer<int32_t> live_seqs(1);
+      live_seqs.CopyFrom(std::vector<int32_t>{live});
+      for (MlaVerifyKernel kernel : kernels) {
+        SCOPED_TRACE(testing::Message() << "nodes " << nodes << " live " << live << " kernel "
+                                        << MlaVerifyKernelName(kernel));
+        const MlaVerifyOptions options = {.kernel = kernel};
+        const absl::StatusOr<MlaVerifyPlan> padded_plan = PlanMlaVerify(padded, device_, options);
+        const absl::StatusOr<MlaVerifyPlan> exact_plan = PlanMlaVerify(exact, device_, options);
+        ASSERT_TRUE(padded_plan.ok()) << padded_plan.status();
+        ASSERT_TRUE(exact_plan.ok()) << exact_plan.status();
+        SCOPED_TRACE(padded_plan->ToString());
+        ASSERT_EQ(padded_plan->live_nsplit.size(), kBucket / 2u);
+        EXPECT_EQ(padded_plan->live_nsplit[live - padded.min_live_seqs], exact_plan->nsplit);
+        DeviceBuffer<uint8_t> workspace(
+            std::max<int64_t>({padded_plan->workspace_bytes, exact_plan->workspace_bytes, 256}));
+        ASSERT_TRUE(PrepareMlaVerifyWorkspace(workspace.get(), workspace.bytes(), nullptr).ok());
+        MlaVerifyParamsBf16 params = device.Params();
+        params.num_seqs = live;
+        device.Poison();
+        absl::Status status = MlaVerifyAttention(params, exact, *exact_plan, workspace.get(),
+                                                 workspace.bytes(), nullptr);
+        ASSERT_TRUE(status.ok()) << status;
+        const std::vector<uint8_t> from_exact = device.Bytes();
+        device.Poison();
+        status = MlaVerifyAttention(device.Params(), padded, *padded_plan, workspace.get(),
+                                    workspace.bytes(), nullptr, live_seqs.get());
+        ASSERT_TRUE(status.ok()) << status;
+        EXPECT_TRUE(device.Bytes() == from_exact) << "the padded launch's bytes differ";
+        std::vector<float> out, lse, ref_out, ref_lse;
+        device.Fetch(out, lse);
+        problem.RunCpu(ref_out, ref_lse);
+        ExpectClose(out, lse, ref_out, ref_lse);
+      }
+    }
+  }
+}
+
 TEST_F(CudaMlaVerifyTest, GraphReplayMatchesEagerAsContextsGrow) {
   for (MlaVerifyKernel kernel : TensorCoreKernels()) {
     for (bool overlap : {false, true}) {
@@ -803,6 +865,12 @@ TEST(MlaVerifyShapeTest, BadShapesAreInvalidArguments) {
            [](MlaVerifyShape& s) { s.num_seqs = 65536; },  // a grid dimension's limit
            [](MlaVerifyShape& s) { s.num_heads = 4097; },
            [](MlaVerifyShape& s) { s.rope_dim = 513; },
+           [](MlaVerifyShape& s) { s.min_live_seqs = -1; },
+           [](MlaVerifyShape& s) { s.min_live_seqs = 2; },  // more than num_seqs
+           [](MlaVerifyShape& s) {                          // 65 live counts, 64..128
+             s.num_seqs = 128;
+             s.min_live_seqs = 64;
+           },
        }) {
     MlaVerifyShape shape = good;
     mutate(shape);
@@ -868,6 +936,16 @@ TEST(MlaVerifyShapeTest, LaunchesTheirPlanDoesNotFitAreInvalidArguments) {
   expect_refused(params, shape, plan, nullptr, 4096, "workspace");
   expect_refused(params, shape, plan, workspace, 4095, "workspace");
   expect_refused(params, shape, plan, reinterpret_cast<void*>(0x100000 + 128), 8192, "workspace");
+  // A shape with padding sequences needs the device's live count.
+  MlaVerifyShape padded = shape;
+  padded.num_seqs = 4;
+  padded.min_live_seqs = 3;
+  MlaVerifyPlan padded_plan = plan;
+  padded_plan.shape = padded;
+  padded_plan.live_nsplit = {2, 2};
+  MlaVerifyParamsBf16 four = params;
+  four.num_seqs = 4;
+  expect_refused(four, padded, padded_plan, workspace, 4096, "live_seqs");
 }
 
 }  // namespace

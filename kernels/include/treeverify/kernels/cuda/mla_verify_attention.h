@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,11 +37,20 @@ using MlaVerifyParamsBf16 = MlaVerifyParams<__nv_bfloat16>;
 
 // Keys per tile: the unit of split ranges, of loads and of the tree mask.
 inline constexpr int kMlaKeyTile = 64;
+// The most live-sequence counts one plan covers (MlaVerifyShape::min_live_seqs).
+inline constexpr int kMaxLiveCounts = 64;
 
 // What a launch looks like, known on the host before the lengths are: a CUDA graph is captured
 // per shape.
 struct MlaVerifyShape {
   int32_t num_seqs = 0;
+  // The fewest sequences that carry rows; those after them are padding (no rows, no keys), as in
+  // a CUDA graph captured for a bucket of sequence counts. 0 (or num_seqs): every sequence is live.
+  // Below num_seqs, each launch reads its live count from the device (MlaVerifyAttention's
+  // `live_seqs`) and takes the NSPLIT an exact launch of that many sequences would: the same
+  // results, and the multiprocessors spread over the live sequences only. At most kMaxLiveCounts
+  // counts from min_live_seqs to num_seqs.
+  int32_t min_live_seqs = 0;
   int32_t max_rows_per_seq = 0;  // tree tokens of the largest segment (row_offsets gaps)
   int32_t row_capacity = 0;      // rows the q / out buffers hold (>= row_offsets[num_seqs])
   int32_t num_heads = 0;
@@ -95,7 +105,12 @@ struct MlaVerifyPlan {
   MlaVerifyKernel kernel = MlaVerifyKernel::kSimt;
   int32_t row_tile = 1;  // packed (node, head) rows per block
   int32_t row_tiles = 1;
+  // The grid's splits per sequence: NSPLIT, or with padding sequences the most that any live
+  // count takes (live_nsplit).
   int32_t nsplit = 1;
+  // With padding sequences (shape.min_live_seqs below num_seqs): NSPLIT for min_live_seqs + i
+  // live sequences, each what an exact launch of that many would plan. Empty otherwise.
+  std::vector<int32_t> live_nsplit;
   int32_t blocks = 0;         // of the split kernel
   int32_t blocks_per_sm = 0;  // occupancy API
   double waves = 0;           // blocks / (multiprocessors * blocks_per_sm)
@@ -141,8 +156,11 @@ absl::Status PrepareMlaVerifyWorkspace(void* workspace, int64_t bytes, cudaStrea
 // out 16-byte aligned), too small a workspace. The device-side inputs (lengths, page table, masks)
 // are trusted as the CPU backend validates them, except that every kernel reads a page index
 // outside the cache as a page of zeros rather than fault.
+// `live_seqs` (device, one int32; for a shape with padding sequences, min_live_seqs below
+// num_seqs, and ignored otherwise): how many of the launch's sequences carry rows, read when the
+// kernels run, so that one captured launch serves every count from min_live_seqs to num_seqs.
 absl::Status MlaVerifyAttention(const MlaVerifyParamsBf16& params, const MlaVerifyShape& shape,
                                 const MlaVerifyPlan& plan, void* workspace, int64_t workspace_bytes,
-                                cudaStream_t stream);
+                                cudaStream_t stream, const int32_t* live_seqs = nullptr);
 
 }  // namespace treeverify::kernels::cuda
