@@ -18,8 +18,10 @@
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
 //                   [--prefill 4096,46080 [--prefill-chunk 8192]] [--dense resident|cublas]
-//                   [--shared-experts 1]
+//                   [--shared-experts 1] [--sequences 1]
 //
+// --sequences N verifies N sequences a step, each with the context and the tree (the batch's
+// sequences padded to a bucket, cuda_forward.h: 3 run as 4 with one padding sequence).
 // --shared-experts 0 takes the shared expert (and the side stream it runs on) out of the model:
 // what the routed experts' phase costs on its own (bench/NOTES.md, step 125).
 //
@@ -75,6 +77,7 @@ struct Args {
   int64_t prefill_chunk = kMaxChainRows;
   bool resident_products = true;  // --dense cublas: every dense product through cuBLASLt
   int shared_experts = 1;         // Kimi-K2's; 0 for the routed experts alone
+  int sequences = 1;              // a step's sequences, each with the context and the tree
 };
 
 ModelConfig KimiK2(int layers) {
@@ -129,27 +132,33 @@ int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_k
          max_keys * c.kv_row_dim() * 2;
 }
 
-// One sequence: `context` committed keys and a binary tree of `nodes` new ones.
-BatchInputs MakeBatch(int64_t context, int64_t nodes, const ModelConfig& config) {
+// `sequences` sequences, each with `context` committed keys and a binary tree of `nodes` new
+// ones; sequence s on pages s * P .. s * P + P - 1 in order (P: the pages one needs).
+BatchInputs MakeBatch(int64_t context, int64_t nodes, int sequences, const ModelConfig& config) {
   const int32_t vocab = static_cast<int32_t>(config.vocab_size);
   BatchInputs b;
   std::vector<int32_t> parents(nodes);
   for (int64_t i = 0; i < nodes; ++i) parents[i] = i == 0 ? -1 : static_cast<int32_t>((i - 1) / 2);
   const SegmentTree tree = *SegmentTree::Build(parents);
-  for (int64_t i = 0; i < nodes; ++i) {
-    b.token_ids.push_back(static_cast<int32_t>((i * 7919 + 13) % vocab));
-    b.positions.push_back(static_cast<int32_t>(context + tree.depth[i]));
-    b.sample_positions.push_back(context + tree.depth[i] + 1);
-    b.slots.push_back(context + i);  // pages 0, 1, 2, ... in order
-  }
-  b.ancestor_mask = tree.ancestor_mask;
-  b.row_offsets = {0, static_cast<int32_t>(nodes)};
-  b.committed_lengths = {static_cast<int32_t>(context)};
   b.max_pages = static_cast<int32_t>((context + nodes + kPageSize - 1) / kPageSize);
-  for (int32_t p = 0; p < b.max_pages; ++p) b.page_table.push_back(p);
-  b.sampling = {SegmentSampling{}};
-  b.chain = {SegmentTree::IsChain(parents)};
-  b.continues_chain = {false};
+  b.row_offsets = {0};
+  for (int s = 0; s < sequences; ++s) {
+    const int64_t first_slot = int64_t{s} * b.max_pages * kPageSize;
+    for (int64_t i = 0; i < nodes; ++i) {
+      b.token_ids.push_back(static_cast<int32_t>((i * 7919 + 13 + s) % vocab));
+      b.positions.push_back(static_cast<int32_t>(context + tree.depth[i]));
+      b.sample_positions.push_back(context + tree.depth[i] + 1);
+      b.slots.push_back(first_slot + context + i);
+    }
+    b.ancestor_mask.insert(b.ancestor_mask.end(), tree.ancestor_mask.begin(),
+                           tree.ancestor_mask.end());
+    b.row_offsets.push_back(static_cast<int32_t>((s + 1) * nodes));
+    b.committed_lengths.push_back(static_cast<int32_t>(context));
+    for (int32_t p = 0; p < b.max_pages; ++p) b.page_table.push_back(s * b.max_pages + p);
+    b.sampling.push_back(SegmentSampling{});
+    b.chain.push_back(SegmentTree::IsChain(parents));
+    b.continues_chain.push_back(false);
+  }
   b.capture_layer.assign(config.num_hidden_layers + 1, false);
   return b;
 }
@@ -330,10 +339,14 @@ double Median(std::vector<double> values) {
 
 absl::Status RunSharding(const Args& args, ExpertSharding sharding,
                          const kernels::cuda::DeviceInfo& device, nlohmann::json& results) {
-  const int64_t max_keys = args.prefill.empty()
-                               ? *std::max_element(args.contexts.begin(), args.contexts.end()) +
-                                     *std::max_element(args.trees.begin(), args.trees.end())
-                               : *std::max_element(args.prefill.begin(), args.prefill.end());
+  // Every sequence's keys (each on whole pages of its own).
+  const int64_t max_keys =
+      args.prefill.empty()
+          ? args.sequences *
+                ((*std::max_element(args.contexts.begin(), args.contexts.end()) +
+                  *std::max_element(args.trees.begin(), args.trees.end()) + kPageSize - 1) /
+                 kPageSize * kPageSize)
+          : *std::max_element(args.prefill.begin(), args.prefill.end());
   ModelConfig config = KimiK2(1);
   config.n_shared_experts = args.shared_experts;
   TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
@@ -377,7 +390,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
   for (int64_t context : args.contexts) {
     for (int64_t nodes : args.trees) {
       if (!args.prefill.empty()) break;
-      const BatchInputs batch = MakeBatch(context, nodes, config);
+      const BatchInputs batch = MakeBatch(context, nodes, args.sequences, config);
       // The previous step's accepted path, as a commit moves it: nodes 1 and 3 onto positions 1
       // and 2 (the rows are the bench's, the moves a commit's).
       std::vector<int64_t> src, dst;
@@ -398,11 +411,9 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
         accounts.push_back(*forward->last_step_account());
         wall.push_back(seconds);
       }
-      nlohmann::json row = {{"sharding", sharding_name},
-                            {"layers", layers},
-                            {"context", context},
-                            {"tree", nodes},
-                            {"wall_ms", Median(wall) * 1e3}};
+      nlohmann::json row = {{"sharding", sharding_name},   {"layers", layers},
+                            {"context", context},          {"tree", nodes},
+                            {"sequences", args.sequences}, {"wall_ms", Median(wall) * 1e3}};
       const double copy = accounts[0].copy_bytes_per_second;
       row["copy_tb_s"] = copy / 1e12;
       std::vector<double> active;
@@ -412,7 +423,9 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
         active.push_back(sum / layers);
       }
       row["active_experts_per_layer"] = Median(active);
-      std::string line = absl::StrCat(sharding_name, " ctx ", context, " tree ", nodes, ":");
+      std::string line = absl::StrCat(
+          sharding_name, " ctx ", context, " tree ", nodes,
+          args.sequences > 1 ? absl::StrCat(" x ", args.sequences, " sequences") : "", ":");
       for (int p = 0; p < kStepPhases; ++p) {
         const StepPhase phase = static_cast<StepPhase>(p);
         std::vector<double> times;
@@ -537,6 +550,10 @@ absl::Status Main(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("--dense resident or cublas; got ", value));
       }
       args.resident_products = value == "resident";
+    } else if (flag == "--sequences") {
+      if (!absl::SimpleAtoi(value, &args.sequences) || args.sequences < 1 || args.sequences > 64) {
+        return absl::InvalidArgumentError(absl::StrCat("--sequences 1..64; got ", value));
+      }
     } else if (flag == "--shared-experts") {
       if (!absl::SimpleAtoi(value, &args.shared_experts) || args.shared_experts < 0) {
         return absl::InvalidArgumentError(absl::StrCat("--shared-experts 0, 1, ...; got ", value));

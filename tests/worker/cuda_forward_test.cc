@@ -550,6 +550,66 @@ TEST_F(CudaForwardTest, TreesOfNearbySizesShareABucketsGraph) {
             agreement.rows * kNearTieRowsPercent / 100);
 }
 
+// Batches of nearby sizes share a bucket's graph too: steps of three and four sequences both run
+// as four (the bucket), the padding sequence without rows or keys, the attention's splits spread
+// over the live ones (read on the device). The first step runs eagerly, the second is captured
+// and the rest replay, while every sequence's rows agree with the CPU's by the margin rule.
+TEST_F(CudaForwardTest, BatchesOfNearbySizesShareABucketsGraph) {
+  const Model model = Models()[2];  // tiny-kimi
+  const std::string dir = WriteModel(model);
+  SoloCommunicator solo;
+  auto gpu = MakeAccountingRunner(dir, solo);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto cpu = MakeModel(dir, /*gpu=*/false);
+  ASSERT_NE(cpu, nullptr);
+  std::mt19937 rng(81);
+  const int64_t vocab = cpu->config().vocab_size;
+  // Four prompts of 40 tokens, then trees of three nodes for sequences 1..3 or 1..4.
+  ForwardRequest prompts;
+  for (uint64_t id = 1; id <= 4; ++id) {
+    prompts.segments.push_back({.sequence_id = id,
+                                .token_ids = RandomTokens(40, vocab, rng),
+                                .parents = SegmentTree::ChainParents(40)});
+  }
+  ASSERT_TRUE((*gpu)->Forward(prompts).ok());
+  ASSERT_TRUE(cpu->Forward(prompts).ok());
+  std::vector<int32_t> all(40);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<std::vector<int32_t>> commit(5, all);
+  const std::vector<StepLaunch> expected = {StepLaunch::kEager, StepLaunch::kCapture,
+                                            StepLaunch::kReplay, StepLaunch::kReplay,
+                                            StepLaunch::kReplay};
+  Agreement agreement;
+  for (int step = 0; step < 5; ++step) {
+    const int sequences = step % 2 == 0 ? 3 : 4;
+    ForwardRequest request;
+    request.return_logits = true;
+    for (int id = 1; id <= sequences; ++id) {
+      request.segments.push_back({.sequence_id = static_cast<uint64_t>(id),
+                                  .commit_nodes = commit[id],
+                                  .token_ids = RandomTokens(3, vocab, rng),
+                                  .parents = {-1, 0, 0}});
+      commit[id] = {0};
+    }
+    auto from_gpu = (*gpu)->Forward(request);
+    auto from_cpu = cpu->Forward(request);
+    ASSERT_TRUE(from_gpu.ok()) << from_gpu.status();
+    ASSERT_TRUE(from_cpu.ok()) << from_cpu.status();
+    const std::optional<StepAccount> account = (*gpu)->last_step_account();
+    ASSERT_TRUE(account.has_value());
+    EXPECT_EQ(account->sequences, sequences);
+    EXPECT_EQ(account->padded_sequences, 4);
+    EXPECT_EQ(account->launch, expected[step]) << "step " << step;
+    ASSERT_EQ(from_gpu->segments.size(), static_cast<size_t>(sequences));
+    for (int i = 0; i < sequences; ++i) {
+      CompareRows(from_gpu->segments[i].logits, (*from_cpu)[i].logits, vocab,
+                  "step " + std::to_string(step) + " sequence " + std::to_string(i + 1), agreement);
+    }
+  }
+  EXPECT_LE(static_cast<int>(agreement.disagreeing.size()),
+            agreement.rows * kNearTieRowsPercent / 100);
+}
+
 // With accounting on, every phase the step runs has time, and the bytes model is filled in.
 TEST_F(CudaForwardTest, StepAccountCoversThePhases) {
   const Model model = Models()[2];  // tiny-kimi

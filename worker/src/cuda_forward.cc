@@ -1,6 +1,7 @@
 #include "treeverify/worker/cuda_forward.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <utility>
 
@@ -219,6 +220,8 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
   account.copy_bytes_per_second = copy_bytes_per_second_;
   account.rows = batch.rows();
   account.padded_rows = layout.rows;
+  account.sequences = batch.sequences();
+  account.padded_sequences = layout.sequences;
   account.launch = last_launch_;
   account.prefill = !prefill_chains_.empty();
   std::vector<uint64_t> stamps(marks_.size() + 1);
@@ -320,13 +323,19 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   const size_t positions = Stage(batch.positions, staging_, padding);
   const size_t sample_positions = Stage(batch.sample_positions, staging_, padding);
   const size_t slots = Stage(batch.slots, staging_, padding, int64_t{-1});
-  const size_t row_offsets = Stage(batch.row_offsets, staging_);
-  const size_t committed = Stage(batch.committed_lengths, staging_);
+  // The padding sequences after the batch's: no rows (their offsets all the batch's row count,
+  // before the padding rows) and no committed keys.
+  const int64_t padding_sequences = layout.sequences - batch.sequences();
+  const size_t row_offsets =
+      Stage(batch.row_offsets, staging_, padding_sequences, static_cast<int32_t>(rows));
+  const size_t committed = Stage(batch.committed_lengths, staging_, padding_sequences);
   const size_t mask = Stage(batch.ancestor_mask, staging_);
   const size_t routed_rows = Stage(std::vector<int32_t>{static_cast<int32_t>(rows)}, staging_);
-  // Each sequence's pages, then page 0 up to the layout's padded width.
+  const size_t live_sequences = Stage(std::vector<int32_t>{batch.sequences()}, staging_);
+  // Each sequence's pages, then page 0 up to the layout's padded width; the padding sequences'
+  // rows all page 0 (they have no keys: nothing reads them).
   padded_pages_.assign(int64_t{layout.sequences} * layout.max_pages, 0);
-  for (int32_t s = 0; s < layout.sequences; ++s) {
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
     std::copy_n(batch.page_table.begin() + int64_t{s} * batch.max_pages, batch.max_pages,
                 padded_pages_.begin() + int64_t{s} * layout.max_pages);
   }
@@ -348,6 +357,7 @@ absl::Status CudaForward::Upload(const BatchInputs& batch, const StepLayout& lay
   inputs_.committed_lengths = reinterpret_cast<const int32_t*>(base + committed);
   inputs_.ancestor_mask = reinterpret_cast<const uint64_t*>(base + mask);
   inputs_.routed_rows = reinterpret_cast<const int32_t*>(base + routed_rows);
+  inputs_.live_sequences = reinterpret_cast<const int32_t*>(base + live_sequences);
   inputs_.page_table = reinterpret_cast<const int32_t*>(base + page_table);
   return absl::OkStatus();
 }
@@ -390,7 +400,8 @@ absl::Status CudaForward::AllReduce(float* data, int64_t count) {
 
 absl::StatusOr<const cuda::MlaVerifyPlan*> CudaForward::MlaPlanFor(
     const cuda::MlaVerifyShape& shape) {
-  const auto key = std::make_tuple(shape.num_seqs, shape.max_rows_per_seq, shape.row_capacity);
+  const auto key = std::make_tuple(shape.num_seqs, shape.min_live_seqs, shape.max_rows_per_seq,
+                                   shape.row_capacity);
   auto found = mla_plans_.find(key);
   if (found == mla_plans_.end()) {
     TV_ASSIGN_OR_RETURN(cuda::MlaVerifyPlan plan, cuda::PlanMlaVerify(shape, device_, {}));
@@ -418,8 +429,19 @@ int64_t CudaForward::RowBucket(int64_t rows) {
   }
 }
 
+int32_t CudaForward::SequenceBucket(int32_t sequences) {
+  if (sequences <= 64) return static_cast<int32_t>(std::bit_ceil(static_cast<uint32_t>(sequences)));
+  return (sequences + 63) / 64 * 64;
+}
+
+int32_t CudaForward::MinLiveSequences(int32_t bucket) {
+  return bucket <= 64 ? bucket / 2 + 1 : bucket - 63;
+}
+
 CudaForward::StepLayout CudaForward::LayoutOf(const BatchInputs& batch) {
-  StepLayout layout{.rows = RowBucket(batch.rows()), .sequences = batch.sequences()};
+  StepLayout layout{.rows = RowBucket(batch.rows()),
+                    .sequences = SequenceBucket(batch.sequences())};
+  layout.min_live_sequences = MinLiveSequences(layout.sequences);
   int32_t longest = 0;
   for (int32_t s = 0; s < batch.sequences(); ++s) {
     longest = std::max(longest, batch.row_offsets[s + 1] - batch.row_offsets[s]);
@@ -705,6 +727,8 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   if (absorbed > 0) {
     StepLayout absorbed_layout = layout;
     absorbed_layout.sequences = absorbed;
+    // Before a prefill chain every sequence is live (the prefill path runs eagerly, exact).
+    if (absorbed < layout.sequences) absorbed_layout.min_live_sequences = absorbed;
     TV_RETURN_IF_ERROR(AbsorbedAttention(layer_index, absorbed_layout));
   }
   if (!prefill_chains_.empty()) TV_RETURN_IF_ERROR(PrefillAttention(layer_index, layout));
@@ -865,6 +889,7 @@ absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayou
   const auto [heads, nope, rope, qk, lora, row_dim, v] = attention_dims();
   const KvCacheOptions& cache = kv_rows_.options();
   const cuda::MlaVerifyShape shape{.num_seqs = layout.sequences,
+                                   .min_live_seqs = layout.min_live_sequences,
                                    .max_rows_per_seq = layout.max_rows_per_seq,
                                    .row_capacity = static_cast<int32_t>(a.capacity),
                                    .num_heads = static_cast<int32_t>(heads),
@@ -872,24 +897,24 @@ absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayou
                                    .rope_dim = static_cast<int32_t>(rope),
                                    .page_size = cache.page_size};
   TV_ASSIGN_OR_RETURN(const cuda::MlaVerifyPlan* plan, MlaPlanFor(shape));
-  TV_RETURN_IF_ERROR(cuda::MlaVerifyAttention({.q = a.q_attn.get(),
-                                               .kv_cache = kv_rows_.layer_data(layer_index),
-                                               .page_table = inputs_.page_table,
-                                               .committed_lengths = inputs_.committed_lengths,
-                                               .row_offsets = inputs_.row_offsets,
-                                               .ancestor_mask = inputs_.ancestor_mask,
-                                               .out = a.latent_out.get(),
-                                               .lse = a.lse.get(),
-                                               .num_seqs = layout.sequences,
-                                               .num_heads = static_cast<int32_t>(heads),
-                                               .latent_dim = static_cast<int32_t>(lora),
-                                               .rope_dim = static_cast<int32_t>(rope),
-                                               .page_size = cache.page_size,
-                                               .max_pages_per_seq = layout.max_pages,
-                                               .num_pages = static_cast<int32_t>(cache.num_pages),
-                                               .softmax_scale = softmax_scale_},
-                                              shape, *plan, mla_workspace_.get(),
-                                              mla_workspace_.size(), stream_));
+  TV_RETURN_IF_ERROR(cuda::MlaVerifyAttention(
+      {.q = a.q_attn.get(),
+       .kv_cache = kv_rows_.layer_data(layer_index),
+       .page_table = inputs_.page_table,
+       .committed_lengths = inputs_.committed_lengths,
+       .row_offsets = inputs_.row_offsets,
+       .ancestor_mask = inputs_.ancestor_mask,
+       .out = a.latent_out.get(),
+       .lse = a.lse.get(),
+       .num_seqs = layout.sequences,
+       .num_heads = static_cast<int32_t>(heads),
+       .latent_dim = static_cast<int32_t>(lora),
+       .rope_dim = static_cast<int32_t>(rope),
+       .page_size = cache.page_size,
+       .max_pages_per_seq = layout.max_pages,
+       .num_pages = static_cast<int32_t>(cache.num_pages),
+       .softmax_scale = softmax_scale_},
+      shape, *plan, mla_workspace_.get(), mla_workspace_.size(), stream_, inputs_.live_sequences));
   return gemm_->Run({.x = a.latent_out.get(),
                      .weight = w.w_uv.get(),
                      .y = a.values.get(),

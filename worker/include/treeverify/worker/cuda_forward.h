@@ -110,18 +110,25 @@ class CudaForward final : public ForwardBackend {
   // rows are padded up to a bucket (RowBucket) with rows that belong to no sequence (the
   // attention skips them; they take no cache slot and no expert), so that trees of nearby sizes
   // share a graph; the longest segment and the page tables' width are padded to powers of two.
-  // The number of sequences stays exact: the attention plans its key splits for that many
-  // sequences (docs/gpu-worker.md). Only the batch's own rows reach the outputs.
+  // The number of sequences is padded to a bucket too (SequenceBucket) with sequences of no rows
+  // and no keys; the attention reads the live count from the device and spreads its key splits
+  // over the live sequences only (docs/gpu-worker.md). Only the batch's own rows reach the outputs.
   struct StepLayout {
-    int64_t rows = 0;              // RowBucket(the batch's rows)
-    int32_t sequences = 0;         // the batch's
-    int32_t max_rows_per_seq = 0;  // a power of two
-    int32_t max_pages = 0;         // the page tables' padded width, a power of two
+    int64_t rows = 0;                // RowBucket(the batch's rows)
+    int32_t sequences = 0;           // SequenceBucket(the batch's sequences)
+    int32_t min_live_sequences = 0;  // the fewest live sequences of that bucket
+    int32_t max_rows_per_seq = 0;    // a power of two
+    int32_t max_pages = 0;           // the page tables' padded width, a power of two
     auto operator<=>(const StepLayout&) const = default;
   };
   // 8, 12, 16, 24, 32, ... 384, 512 (two buckets an octave), then multiples of 256: at most a
   // third of the rows are padding (at most 255 past 512).
   static int64_t RowBucket(int64_t rows);
+  // 1, 2, 4, ..., 64, then multiples of 64; MinLiveSequences is the fewest sequences a bucket
+  // serves (half of it and one more, then 63 under it): at most kMaxLiveCounts live counts, the
+  // attention's limit for one plan.
+  static int32_t SequenceBucket(int32_t sequences);
+  static int32_t MinLiveSequences(int32_t bucket);
   // A chain the prefill path attends as one: rows [row_begin, row_begin + rows) of the batch
   // (its pieces joined), keys = its committed prefix + rows, its page table the first piece's.
   struct PrefillChain {
@@ -156,6 +163,7 @@ class CudaForward final : public ForwardBackend {
     const uint64_t* ancestor_mask = nullptr;     // [rows, kAncestorMaskWords]
     const int32_t* page_table = nullptr;         // [sequences, max_pages]
     const int32_t* routed_rows = nullptr;        // [1] the batch's rows: the rest only pad
+    const int32_t* live_sequences = nullptr;     // [1] the batch's sequences: the rest only pad
   };
 
   CudaForward(DeviceWeights weights, CudaKvStorage& kv_rows, Communicator* communicator,
@@ -268,8 +276,8 @@ class CudaForward final : public ForwardBackend {
   int64_t buffers_epoch_ = 0;  // bumped whenever a buffer a graph reads is reallocated
   std::map<StepLayout, Graph> graphs_;
   int64_t graph_clock_ = 0;
-  // (sequences, most rows of one sequence, row capacity) -> plan.
-  std::map<std::tuple<int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
+  // (sequences, fewest live, most rows of one sequence, row capacity) -> plan.
+  std::map<std::tuple<int32_t, int32_t, int32_t, int32_t>, kernels::cuda::MlaVerifyPlan> mla_plans_;
   DeviceArray<uint8_t> mla_workspace_;
   std::vector<PrefillChain> prefill_chains_;  // this step's, when it takes the prefill path
   DeviceArray<Bf16> prefill_latent_;          // [keys, kv_row_dim] a chain's gathered context

@@ -41,6 +41,8 @@ struct StepAccount {
   double copy_bytes_per_second = 0.0;  // the device's measured copy bandwidth
   int64_t rows = 0;                    // tree nodes in the step
   int64_t padded_rows = 0;             // rows the device ran: up to the step layout's bucket
+  int32_t sequences = 0;               // sequences in the step
+  int32_t padded_sequences = 0;        // sequences the device ran: up to the layout's bucket
   StepLaunch launch = StepLaunch::kEager;
   // The attention took the prefill path (the MHA form, cuda_forward.h): compute bound, so its
   // bytes are a floor far below its time.
