@@ -97,8 +97,8 @@ inline constexpr int kMaxMergeGroups = static_cast<int>(kMergeCounterBytes / 8);
 // on the device, so that the live ones get the multiprocessors a padding sequence would otherwise
 // take (NSPLIT is planned from the number of sequences, their lengths being unknown to the host).
 // For n live sequences it is the NSPLIT an exact launch of n would have: the same split boundaries,
-// the same bytes. The grid is sized for the fewest live (the most splits); the blocks of splits
-// past a launch's NSPLIT, and of padding sequences, find no keys and leave.
+// the same bytes. The grid is sized for the live count that takes the most splits; the blocks of
+// splits past a launch's NSPLIT, and of padding sequences, find no keys and leave.
 struct LiveSplits {
   const int32_t* live_seqs = nullptr;  // device; null: every sequence is live (NSPLIT = nsplit)
   int32_t min_live = 1;
