@@ -286,7 +286,7 @@ absl::Status RunPrefill(const Args& args, const ModelConfig& config, const Shard
               absl::StrCat("chunk at ", committed, " missed the prefill path"));
         }
         for (int p = 0; p < kStepPhases; ++p) {
-          phase_seconds[p] += account.phase(static_cast<StepPhase>(p)).gpu_seconds;
+          phase_seconds[p] += account.phase(static_cast<StepPhase>(p)).seconds;
         }
         const ChunkFlops chunk = FlopsOf(config, plan, committed, rows);
         flops.attention += chunk.attention;
@@ -429,7 +429,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
       for (int p = 0; p < kStepPhases; ++p) {
         const StepPhase phase = static_cast<StepPhase>(p);
         std::vector<double> times;
-        for (const StepAccount& a : accounts) times.push_back(a.phase(phase).gpu_seconds);
+        for (const StepAccount& a : accounts) times.push_back(a.phase(phase).seconds);
         const double seconds = Median(times);
         const double bytes = accounts.back().phase(phase).modeled_bytes;
         const double floor = bytes / copy;
@@ -446,7 +446,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
         }
       }
       std::vector<double> totals;
-      for (const StepAccount& a : accounts) totals.push_back(a.total_gpu_seconds);
+      for (const StepAccount& a : accounts) totals.push_back(a.total_seconds);
       const double total = Median(totals);
       const double total_floor = accounts.back().total_bytes() / copy;
       row["total"] = {{"us", total * 1e6},

@@ -306,6 +306,7 @@ void VerifyEngine::Impl::PrefillChunk(std::shared_ptr<SessionLease> lease,
             out.pending_logprob = return_logprobs ? first->logprob : 0.0f;
             out.finish_reason = stop.reason;
             lease.reset();
+            if (options_.observer != nullptr) options_.observer->OnSessionCreated();
             done(std::move(out));
           });
 }
@@ -387,7 +388,6 @@ absl::StatusOr<VerifyOutput> VerifyEngine::Impl::FinishVerify(
   if (!first_rank.status.ok()) return first_rank.status;
 
   // The target's token after every segment node.
-  const absl::Time reduce_start = absl::Now();
   const int32_t candidates = CandidatesPerShard(session.sampling);
   std::vector<int32_t> targets(depth.size());
   std::vector<float> logprobs(depth.size());
@@ -442,14 +442,24 @@ absl::StatusOr<VerifyOutput> VerifyEngine::Impl::FinishVerify(
   out.pending_token_id = session.pending_token;
   out.context_length = static_cast<int64_t>(session.committed_tokens.size());
   out.finish_reason = stop.reason;
-  if (input.return_timings) {
-    const absl::Time finished = absl::Now();
-    out.timings = {.validate_seconds = Seconds(validated - started),
-                   .queue_seconds = Seconds(result->dispatched - validated),
-                   .fanout_seconds = Seconds(result->answered - result->dispatched),
-                   .reduce_seconds = Seconds(accept_start - reduce_start),
-                   .accept_seconds = Seconds(finished - accept_start),
-                   .batch_sequences = result->batch_sequences};
+  // Phases that add up to the whole step (reduce includes the hop from the forward's answer to
+  // this callback).
+  const absl::Time finished = absl::Now();
+  const StepTimings timings = {.validate_seconds = Seconds(validated - started),
+                               .queue_seconds = Seconds(result->dispatched - validated),
+                               .fanout_seconds = Seconds(result->answered - result->dispatched),
+                               .reduce_seconds = Seconds(accept_start - result->answered),
+                               .accept_seconds = Seconds(finished - accept_start),
+                               .batch_sequences = result->batch_sequences};
+  if (input.return_timings) out.timings = timings;
+  if (options_.observer != nullptr) {
+    const int32_t draft_depth = depth.empty() ? 0 : *std::max_element(depth.begin(), depth.end());
+    options_.observer->OnVerifyStep(
+        {.timings = timings,
+         .draft_nodes = static_cast<int32_t>(input.draft_token_ids.size()),
+         .draft_depth = draft_depth,
+         .accepted_nodes = static_cast<int32_t>(acceptance.accepted_draft_nodes.size()),
+         .emitted_tokens = static_cast<int32_t>(out.emitted_token_ids.size())});
   }
   return out;
 }
@@ -548,6 +558,7 @@ void VerifyEngine::Impl::RunBatch(std::vector<QueuedSegment> batch) {
   const absl::Time answered = absl::Now();
   for (size_t r = 0; r < results.size(); ++r) {
     if (!results[r].ok()) {
+      if (options_.observer != nullptr) options_.observer->OnRankLost(static_cast<int>(r));
       Fail(absl::UnavailableError(
           absl::StrCat("rank ", r, " failed during a forward: ", results[r].status().ToString())));
       for (QueuedSegment& item : batch) item.done(Failure());
@@ -563,6 +574,7 @@ void VerifyEngine::Impl::RunBatch(std::vector<QueuedSegment> batch) {
       if (other.status.code() != first.status.code() ||
           other.summaries.size() != first.summaries.size() ||
           other.committed_length != first.committed_length) {
+        if (options_.observer != nullptr) options_.observer->OnRankLost(static_cast<int>(r));
         Fail(absl::UnavailableError(
             absl::StrCat("ranks 0 and ", r, " disagree on a sequence's outcome (",
                          first.status.ToString(), " vs ", other.status.ToString(), ")")));
@@ -570,6 +582,13 @@ void VerifyEngine::Impl::RunBatch(std::vector<QueuedSegment> batch) {
         return;
       }
     }
+  }
+  if (options_.observer != nullptr) {
+    int64_t rows = 0;
+    for (const worker::SegmentInput& segment : request.segments) {
+      rows += static_cast<int64_t>(segment.token_ids.size());
+    }
+    options_.observer->OnForward(static_cast<int32_t>(batch.size()), rows);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -596,6 +615,7 @@ void VerifyEngine::Impl::ReleaseOnRanks(const std::vector<uint64_t>& ids) {
       [&](RankClient& rank) { return rank.Release(ids, options_.rank_timeout); });
   for (size_t r = 0; r < results.size(); ++r) {
     if (!results[r].ok()) {
+      if (options_.observer != nullptr) options_.observer->OnRankLost(static_cast<int>(r));
       Fail(absl::UnavailableError(
           absl::StrCat("rank ", r, " failed during a release: ", results[r].status().ToString())));
       return;

@@ -16,7 +16,11 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "prometheus/registry.h"
 #include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/monitoring/metrics.h"
+#include "treeverify/monitoring/metrics_server.h"
+#include "treeverify/services/engine_metrics.h"
 #include "treeverify/services/grpc_rank_client.h"
 #include "treeverify/services/process_main.h"
 #include "treeverify/services/rendezvous_service.h"
@@ -45,6 +49,10 @@ ABSL_FLAG(int64_t, rank_timeout_s, 60, "Deadline of every call to a rank");
 ABSL_FLAG(int64_t, join_timeout_s, 300, "How long to wait for every rank to Join at start-up");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "Largest gRPC message, both ways");
 ABSL_FLAG(int32_t, max_concurrent_streams, 256, "Concurrent calls per client connection");
+ABSL_FLAG(
+    std::string, metrics_listen, "",
+    "Address of the Prometheus /metrics endpoint (host:port; port 0 picks a free one, printed "
+    "on stdout); empty: no endpoint");
 ABSL_FLAG(int64_t, shutdown_grace_s, 10,
           "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
 
@@ -86,11 +94,28 @@ absl::Status Run(SignalWaiter& signals) {
   }
   const int64_t max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
 
+  // Metrics first: an operator sees the process, and the replica not serving yet, while the
+  // ranks join.
+  auto registry = std::make_shared<prometheus::Registry>();
+  monitoring::CoordinatorMetrics metrics(*registry);
+  EngineMetrics engine_metrics(metrics);
+  metrics.SetServing(false);
+  std::unique_ptr<monitoring::MetricsServer> metrics_server;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<monitoring::MetricsServer>> started_metrics =
+        monitoring::MetricsServer::Start(address, registry);
+    if (!started_metrics.ok()) return Fail(started_metrics.status(), "--metrics-listen");
+    metrics_server = *std::move(started_metrics);
+    std::printf("%s metrics on http://%s/metrics\n", kProgram, metrics_server->address().c_str());
+    std::fflush(stdout);
+  }
+  engine_options->observer = &engine_metrics;
+
   RendezvousService rendezvous(rendezvous_options, [](const JoinedRank& joined) {
     std::fprintf(stderr, "%s: rank %d joined (group epoch %lld), serving Worker at %s\n", kProgram,
                  joined.rank, static_cast<long long>(joined.group_epoch), joined.address.c_str());
   });
-  VerifierService verifier;
+  VerifierService verifier(nullptr, &metrics);
   absl::StatusOr<std::unique_ptr<GrpcServer>> started =
       GrpcServer::Start({.listen_address = absl::GetFlag(FLAGS_listen),
                          .max_message_bytes = max_message_bytes,
@@ -182,6 +207,10 @@ absl::Status Run(SignalWaiter& signals) {
   verifier.SetEngine(engine.get());
   server.SetServing(true);
   const coordinator::ModelInfo& info = engine->info();
+  monitoring::SetBuildInfo(*registry,
+                           {.component = "coordinator", .backend = info.backend, .device = "cpu"});
+  for (int rank = 0; rank < info.world_size; ++rank) metrics.SetRankUp(rank, true);
+  metrics.SetServing(true);
   std::fprintf(stderr,
                "%s: SERVING %s (%s, vocab %lld, %d %s rank(s), group epoch %lld, max context %lld, "
                "prefill chunks of %d)\n",
@@ -193,12 +222,15 @@ absl::Status Run(SignalWaiter& signals) {
   // Watch the engine: a lost rank makes the replica NOT_SERVING (the process stays up).
   bool serving = true;
   while (!signals.WaitFor(absl::Milliseconds(200))) {
+    metrics.SetActiveSessions(engine->active_sessions());
     if (serving && !engine->serving()) {
       serving = false;
       server.SetServing(false);
+      metrics.SetServing(false);
       std::fprintf(stderr, "%s: a rank was lost; NOT_SERVING\n", kProgram);
     }
   }
+  metrics.SetServing(false);
   std::fprintf(stderr, "%s: draining\n", kProgram);
   shut_down();
   return absl::OkStatus();

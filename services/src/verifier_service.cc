@@ -22,6 +22,18 @@ grpc::Status NotServing() {
 
 }  // namespace
 
+void VerifierService::Count(const char* method, const grpc::Status& status) const {
+  if (metrics_ != nullptr) {
+    metrics_->CountRequest(method, static_cast<absl::StatusCode>(status.error_code()));
+  }
+}
+
+void VerifierService::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+                             const grpc::Status& status) const {
+  Count(method, status);
+  reactor->Finish(status);
+}
+
 coordinator::VerifyEngine* VerifierService::ServingEngine(grpc::Status* refusal) const {
   coordinator::VerifyEngine* engine = engine_.load();
   if (engine == nullptr) {
@@ -42,11 +54,11 @@ grpc::ServerUnaryReactor* VerifierService::GetModelInfo(grpc::CallbackServerCont
   // The model's description stays true while the replica drains or has lost a rank.
   coordinator::VerifyEngine* engine = engine_.load();
   if (engine == nullptr) {
-    reactor->Finish(NotReady());
+    Finish(reactor, "GetModelInfo", NotReady());
     return reactor;
   }
   ModelInfoToProto(engine->info(), response);
-  reactor->Finish(grpc::Status::OK);
+  Finish(reactor, "GetModelInfo", grpc::Status::OK);
   return reactor;
 }
 
@@ -57,21 +69,21 @@ grpc::ServerUnaryReactor* VerifierService::CreateSession(grpc::CallbackServerCon
   grpc::Status refusal;
   coordinator::VerifyEngine* engine = ServingEngine(&refusal);
   if (engine == nullptr) {
-    reactor->Finish(refusal);
+    Finish(reactor, "CreateSession", refusal);
     return reactor;
   }
   absl::StatusOr<coordinator::CreateSessionInput> input =
       CreateSessionInputFromProto(*request, engine->info());
   if (!input.ok()) {
-    reactor->Finish(ToGrpcStatus(input.status()));
+    Finish(reactor, "CreateSession", ToGrpcStatus(input.status()));
     return reactor;
   }
   engine->CreateSessionAsync(
       *std::move(input),
-      [reactor, response](absl::StatusOr<coordinator::CreateSessionOutput> output) {
-        if (!output.ok()) return reactor->Finish(ToGrpcStatus(output.status()));
+      [this, reactor, response](absl::StatusOr<coordinator::CreateSessionOutput> output) {
+        if (!output.ok()) return Finish(reactor, "CreateSession", ToGrpcStatus(output.status()));
         CreateSessionOutputToProto(*output, response);
-        reactor->Finish(grpc::Status::OK);
+        Finish(reactor, "CreateSession", grpc::Status::OK);
       });
   return reactor;
 }
@@ -83,20 +95,22 @@ grpc::ServerUnaryReactor* VerifierService::Verify(grpc::CallbackServerContext* c
   grpc::Status refusal;
   coordinator::VerifyEngine* engine = ServingEngine(&refusal);
   if (engine == nullptr) {
-    reactor->Finish(refusal);
+    Finish(reactor, "Verify", refusal);
     return reactor;
   }
   absl::StatusOr<coordinator::VerifyInput> input = VerifyInputFromProto(*request, engine->info());
   if (!input.ok()) {
-    reactor->Finish(ToGrpcStatus(input.status()));
+    Finish(reactor, "Verify", ToGrpcStatus(input.status()));
     return reactor;
   }
-  engine->VerifyAsync(*std::move(input), [reactor, response, session_id = request->session_id()](
-                                             absl::StatusOr<coordinator::VerifyOutput> output) {
-    if (!output.ok()) return reactor->Finish(ToGrpcStatus(output.status()));
-    VerifyOutputToProto(*output, session_id, response);
-    reactor->Finish(grpc::Status::OK);
-  });
+  engine->VerifyAsync(*std::move(input),
+                      [this, reactor, response, session_id = request->session_id()](
+                          absl::StatusOr<coordinator::VerifyOutput> output) {
+                        if (!output.ok())
+                          return Finish(reactor, "Verify", ToGrpcStatus(output.status()));
+                        VerifyOutputToProto(*output, session_id, response);
+                        Finish(reactor, "Verify", grpc::Status::OK);
+                      });
   return reactor;
 }
 
@@ -107,15 +121,15 @@ grpc::ServerUnaryReactor* VerifierService::CloseSession(grpc::CallbackServerCont
   // Closing only queues the release of the session's cache: allowed while the replica drains.
   coordinator::VerifyEngine* engine = engine_.load();
   if (engine == nullptr) {
-    reactor->Finish(NotReady());
+    Finish(reactor, "CloseSession", NotReady());
     return reactor;
   }
   absl::StatusOr<coordinator::SessionId> id = SessionIdFromProto(request->session_id());
   if (!id.ok()) {
-    reactor->Finish(ToGrpcStatus(id.status()));
+    Finish(reactor, "CloseSession", ToGrpcStatus(id.status()));
     return reactor;
   }
-  reactor->Finish(ToGrpcStatus(engine->CloseSession(*id)));
+  Finish(reactor, "CloseSession", ToGrpcStatus(engine->CloseSession(*id)));
   return reactor;
 }
 
@@ -138,17 +152,18 @@ class VerifierService::StreamReactor final
     grpc::Status refusal;
     coordinator::VerifyEngine* engine = service_->ServingEngine(&refusal);
     if (engine == nullptr) {
-      Finish(refusal);
+      FinishRequest(refusal);
       return;
     }
     absl::StatusOr<coordinator::VerifyInput> input = VerifyInputFromProto(request_, engine->info());
     if (!input.ok()) {
-      Finish(ToGrpcStatus(input.status()));
+      FinishRequest(ToGrpcStatus(input.status()));
       return;
     }
     engine->VerifyAsync(*std::move(input),
                         [this](absl::StatusOr<coordinator::VerifyOutput> output) {
-                          if (!output.ok()) return Finish(ToGrpcStatus(output.status()));
+                          if (!output.ok()) return FinishRequest(ToGrpcStatus(output.status()));
+                          service_->Count("Verify", grpc::Status::OK);
                           response_.Clear();
                           VerifyOutputToProto(*output, request_.session_id(), &response_);
                           StartWrite(&response_);
@@ -167,6 +182,12 @@ class VerifierService::StreamReactor final
   void OnDone() override { delete this; }
 
  private:
+  // A request that fails ends the stream with its status, counted as a Verify's.
+  void FinishRequest(const grpc::Status& status) {
+    service_->Count("Verify", status);
+    Finish(status);
+  }
+
   const VerifierService* service_;
   v1::VerifyRequest request_;
   v1::VerifyResponse response_;

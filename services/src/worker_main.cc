@@ -16,6 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "prometheus/registry.h"
+#include "treeverify/monitoring/metrics.h"
+#include "treeverify/monitoring/metrics_server.h"
 #include "treeverify/services/client_channel.h"
 #include "treeverify/services/grpc_rendezvous_store.h"
 #include "treeverify/services/process_main.h"
@@ -54,6 +57,10 @@ ABSL_FLAG(int64_t, collective_timeout_s, 60,
 ABSL_FLAG(int64_t, group_epoch, 1, "Group epoch to form (a re-formed group takes a new one)");
 ABSL_FLAG(int64_t, connect_timeout_s, 60, "How long to wait for the coordinator at start-up");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{64} << 20, "Largest gRPC message, both ways");
+ABSL_FLAG(
+    std::string, metrics_listen, "",
+    "Address of the Prometheus /metrics endpoint (host:port; port 0 picks a free one, printed "
+    "on stdout); empty: no endpoint. On GPUs it also turns the step's phase accounting on");
 ABSL_FLAG(int64_t, shutdown_grace_s, 10,
           "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
 
@@ -87,6 +94,18 @@ int GpuOfRank(int rank) {
 }
 #endif
 
+// What computes, for treeverify_build_info: the GPU's name, or "cpu".
+std::string DeviceName(const std::string& backend, int rank) {
+#ifdef TREEVERIFY_HAVE_CUDA
+  if (backend == "cuda") {
+    absl::StatusOr<kernels::cuda::DeviceInfo> device = kernels::cuda::QueryDevice(GpuOfRank(rank));
+    return device.ok() ? device->name : "unknown GPU";
+  }
+#endif
+  (void)rank;
+  return backend == "cuda" ? "unknown GPU" : "cpu";
+}
+
 absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
   worker::ModelRunnerOptions options;
   options.rank = absl::GetFlag(FLAGS_rank);
@@ -110,7 +129,10 @@ absl::StatusOr<worker::ModelRunnerOptions> RunnerOptionsFromFlags() {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend == "cuda") {
 #ifdef TREEVERIFY_HAVE_CUDA
-    const worker::CudaForwardOptions cuda{.device_ordinal = GpuOfRank(options.rank)};
+    // The phase accounting feeds the metrics; without an endpoint it would only cost time.
+    const worker::CudaForwardOptions cuda{
+        .device_ordinal = GpuOfRank(options.rank),
+        .account_steps = !absl::GetFlag(FLAGS_metrics_listen).empty()};
     if (absl::Status status = cuda.Validate(); !status.ok()) return status;
     options.forward_factory = [cuda](const worker::ModelWeights& weights,
                                      const worker::KvCacheOptions& cache,
@@ -184,8 +206,24 @@ absl::Status Run(SignalWaiter& signals) {
   const int world_size = runner_options->world_size;
   const std::string program = absl::StrCat(kProgram, " rank ", rank);
 
+  // Metrics first: the process is visible while it joins and loads.
+  auto registry = std::make_shared<prometheus::Registry>();
+  monitoring::SetBuildInfo(
+      *registry, {.component = "worker", .backend = backend, .device = DeviceName(backend, rank)});
+  monitoring::WorkerMetrics metrics(*registry, rank);
+  std::unique_ptr<monitoring::MetricsServer> metrics_server;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<monitoring::MetricsServer>> started_metrics =
+        monitoring::MetricsServer::Start(address, registry);
+    if (!started_metrics.ok()) return Context(started_metrics.status(), "--metrics-listen");
+    metrics_server = *std::move(started_metrics);
+    std::printf("%s metrics on http://%s/metrics\n", program.c_str(),
+                metrics_server->address().c_str());
+    std::fflush(stdout);
+  }
+
   // The server first: the rank must know its port to announce it.
-  WorkerService service({.group_epoch = group_epoch, .backend = backend});
+  WorkerService service({.group_epoch = group_epoch, .backend = backend, .metrics = &metrics});
   absl::StatusOr<std::unique_ptr<GrpcServer>> started =
       GrpcServer::Start({.listen_address = absl::GetFlag(FLAGS_listen),
                          .max_message_bytes = max_message_bytes,
@@ -242,6 +280,7 @@ int main(int argc, char** argv) {
       "treeverify-worker --rank R --world-size W --coordinator HOST:PORT --model DIR\n"
       "    [--listen ADDR] [--backend cpu|cuda] [--gpu N] [--kv-pages N] [--kv-page-size 64]\n"
       "    [--expert-sharding split|whole] [--collective-timeout-s 60] [--group-epoch 1]\n"
+      "    [--metrics-listen HOST:PORT]\n"
       "One tensor-parallel rank. Flags may be written with dashes or underscores.",
       treeverify::services::Run);
 }

@@ -8,6 +8,7 @@
 #include "treeverify/coordinator/rank_client.h"
 #include "treeverify/services/proto_conversion.h"
 #include "treeverify/services/status_conversion.h"
+#include "treeverify/services/worker_metrics.h"
 
 namespace treeverify::services {
 namespace {
@@ -65,13 +66,14 @@ grpc::ServerUnaryReactor* WorkerService::Forward(grpc::CallbackServerContext* co
   }
   // Runs even if the caller gave up meanwhile: the other ranks run it too, and skipping it here
   // would leave them waiting in a collective.
-  executor_.Post([runner, reactor, response, forward = *std::move(translated)] {
+  executor_.Post([this, runner, reactor, response, forward = *std::move(translated)] {
     const absl::Time start = absl::Now();
     absl::StatusOr<worker::ForwardResult> result = runner->Forward(forward);
     if (!result.ok()) {
       reactor->Finish(ToGrpcStatus(result.status()));
       return;
     }
+    if (options_.metrics != nullptr) RecordForward(*runner, *options_.metrics);
     ForwardResultToProto(*result, /*include_hidden_states=*/runner->plan().rank == 0, response);
     response->set_forward_seconds(absl::ToDoubleSeconds(absl::Now() - start));
     reactor->Finish(grpc::Status::OK);

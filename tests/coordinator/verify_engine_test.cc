@@ -537,6 +537,104 @@ TEST(VerifyEngineTest, OneVerifyInFlightAndRankFailureIsUnavailable) {
             absl::StatusCode::kUnavailable);
 }
 
+// Records what the engine reports (on its dispatch thread; read after the calls returned).
+class RecordingObserver final : public EngineObserver {
+ public:
+  void OnVerifyStep(const VerifyStepReport& step) override {
+    absl::MutexLock lock(&mu_);
+    steps.push_back(step);
+  }
+  void OnSessionCreated() override {
+    absl::MutexLock lock(&mu_);
+    ++sessions;
+  }
+  void OnForward(int32_t sequences, int64_t rows) override {
+    absl::MutexLock lock(&mu_);
+    ++forwards;
+    forward_sequences += sequences;
+    forward_rows += rows;
+  }
+  void OnRankLost(int rank) override {
+    absl::MutexLock lock(&mu_);
+    lost.push_back(rank);
+  }
+
+  std::vector<VerifyStepReport> steps;
+  int64_t sessions = 0, forwards = 0, forward_sequences = 0, forward_rows = 0;
+  std::vector<int> lost;
+
+ private:
+  absl::Mutex mu_;
+};
+
+// The observer sees every step as the client does: its steps' accepted and emitted tokens are
+// the client's, its forwards the engine's, and each step's phases add up to no more than the
+// client's wait for it.
+TEST(VerifyEngineTest, TheObserverSeesWhatTheClientsGet) {
+  RecordingObserver observer;
+  Replica replica = MakeReplica(2, {.observer = &observer});
+  const int vocab = static_cast<int>(replica.engine->info().vocab_size);
+  int64_t tokens = 0, steps = 0, accepted = 0;
+  const std::vector<std::vector<int32_t>> prompts = Prompts(3, vocab, 17);
+  for (const std::vector<int32_t>& prompt : prompts) {
+    const GenerateResult plain = Generate(*replica.engine, prompt, "none", {}, {});
+    std::vector<int32_t> oracle = prompt;
+    oracle.insert(oracle.end(), plain.tokens.begin(), plain.tokens.end());
+    const GenerateResult drafted = Generate(*replica.engine, prompt, "noisy-oracle", oracle, {});
+    for (const GenerateResult* r : {&plain, &drafted}) {
+      tokens += static_cast<int64_t>(r->tokens.size());
+      steps += r->steps;
+      for (int32_t a : r->accepted_per_step) accepted += a;
+    }
+  }
+  ASSERT_GT(accepted, 0) << "the oracle drafter should get some drafts accepted";
+  EXPECT_EQ(observer.sessions, 6);
+  ASSERT_EQ(static_cast<int64_t>(observer.steps.size()), steps);
+  int64_t emitted = observer.sessions, observed_accepted = 0, with_draft = 0;
+  for (const VerifyStepReport& step : observer.steps) {
+    emitted += step.emitted_tokens;
+    observed_accepted += step.accepted_nodes;
+    with_draft += step.draft_nodes > 0 ? 1 : 0;
+    EXPECT_LE(step.accepted_nodes, step.draft_depth);
+    EXPECT_LE(step.draft_depth, step.draft_nodes);
+    const StepTimings& t = step.timings;
+    for (double phase : {t.validate_seconds, t.queue_seconds, t.fanout_seconds, t.reduce_seconds,
+                         t.accept_seconds}) {
+      EXPECT_GE(phase, 0);
+    }
+    EXPECT_GT(t.fanout_seconds, 0);
+    EXPECT_GE(t.batch_sequences, 1);
+  }
+  EXPECT_EQ(emitted, tokens);
+  EXPECT_EQ(observed_accepted, accepted);
+  EXPECT_GT(with_draft, 0);
+  EXPECT_EQ(observer.forwards, replica.engine->stats().forwards);
+  EXPECT_EQ(observer.forward_sequences, replica.engine->stats().batched_sequences);
+  EXPECT_TRUE(observer.lost.empty());
+}
+
+// A rank that fails a forward is reported lost. (One rank: an in-process peer of a failed rank
+// would wait in its collective for good.)
+TEST(VerifyEngineTest, TheObserverHearsOfALostRank) {
+  auto model = LocalModel::Create(ModelDir(), {});
+  ASSERT_TRUE(model.ok());
+  std::atomic<bool> open{true}, fail{false};
+  std::vector<std::unique_ptr<RankClient>> ranks;
+  for (auto& client : (*model)->RankClients()) {
+    ranks.push_back(std::make_unique<GatedRank>(std::move(client), &open, &fail));
+  }
+  RecordingObserver observer;
+  auto engine = VerifyEngine::Create({.observer = &observer}, std::move(ranks));
+  ASSERT_TRUE(engine.ok());
+  auto session = (*engine)->CreateSession({.prompt_token_ids = {1, 2, 3}});
+  ASSERT_TRUE(session.ok());
+  EXPECT_TRUE(observer.lost.empty());
+  fail = true;
+  EXPECT_EQ((*engine)->Verify({.session_id = session->session_id}).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(observer.lost, std::vector<int>{0});
+}
+
 TEST(VerifyEngineTest, HiddenStatesAreTheCommittedRows) {
   Replica replica = MakeReplica(2);
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};

@@ -13,7 +13,10 @@
 #include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 #include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/monitoring/metrics.h"
 #include "treeverify/services/server_bootstrap.h"
 #include "treeverify/services/verifier_client.h"
 #include "treeverify/tools/checkpoint_generator.h"
@@ -64,7 +67,8 @@ struct Replica {
   }
 };
 
-std::unique_ptr<Replica> MakeReplica(int world_size) {
+std::unique_ptr<Replica> MakeReplica(int world_size,
+                                     monitoring::CoordinatorMetrics* metrics = nullptr) {
   auto replica = std::make_unique<Replica>();
   replica->model = MakeModel(world_size);
   coordinator::VerifyEngineOptions options;
@@ -72,7 +76,7 @@ std::unique_ptr<Replica> MakeReplica(int world_size) {
   auto engine = coordinator::VerifyEngine::Create(options, replica->model->RankClients());
   EXPECT_TRUE(engine.ok()) << engine.status();
   replica->engine = *std::move(engine);
-  replica->service = std::make_unique<VerifierService>(replica->engine.get());
+  replica->service = std::make_unique<VerifierService>(replica->engine.get(), metrics);
   auto server = GrpcServer::Start(
       {.listen_address = "127.0.0.1:0", .health_services = {"treeverify.v1.Verifier"}},
       {replica->service.get()});
@@ -359,6 +363,46 @@ TEST_F(VerifierServiceTest, ReflectionListsTheVerifier) {
 }
 
 // Before the ranks joined, and once the engine stops, calls are UNAVAILABLE.
+// Every finished call is counted by method and status code; each request of a stream as a Verify.
+TEST(VerifierServiceMetricsTest, RequestsAreCountedByMethodAndCode) {
+  prometheus::Registry registry;
+  monitoring::CoordinatorMetrics metrics(registry);
+  std::unique_ptr<Replica> replica = MakeReplica(1, &metrics);
+  std::unique_ptr<VerifierClient> client = Connect(*replica->server);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->GetModelInfo().ok());
+  auto session = client->CreateSession({.prompt_token_ids = kPrompt});
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE(client->Verify({.session_id = session->session_id}).ok());
+  auto stream = client->OpenStream();
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE((*stream)->Step({.session_id = session->session_id}).ok());
+  ASSERT_TRUE((*stream)->Step({.session_id = session->session_id}).ok());
+  EXPECT_EQ(
+      (*stream)
+          ->Step({.session_id = session->session_id, .draft_token_ids = {1}, .draft_parents = {0}})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->Verify({.session_id = {.high = 1, .low = 2}}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client->CloseSession(session->session_id).ok());
+  EXPECT_EQ(client->CreateSession({}).status().code(), absl::StatusCode::kInvalidArgument);
+
+  const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
+  for (const char* sample : {
+           "treeverify_requests_total{code=\"OK\",method=\"GetModelInfo\"} 1",
+           "treeverify_requests_total{code=\"OK\",method=\"CreateSession\"} 1",
+           "treeverify_requests_total{code=\"INVALID_ARGUMENT\",method=\"CreateSession\"} 1",
+           "treeverify_requests_total{code=\"OK\",method=\"Verify\"} 3",
+           "treeverify_requests_total{code=\"INVALID_ARGUMENT\",method=\"Verify\"} 1",
+           "treeverify_requests_total{code=\"NOT_FOUND\",method=\"Verify\"} 1",
+           "treeverify_requests_total{code=\"OK\",method=\"CloseSession\"} 1",
+       }) {
+    EXPECT_THAT(text, HasSubstr(sample));
+  }
+}
+
 TEST(VerifierServiceLifecycleTest, UnavailableBeforeTheEngineAndAfterShutdown) {
   auto model = MakeModel(1);
   auto engine = coordinator::VerifyEngine::Create({}, model->RankClients());

@@ -13,7 +13,10 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 #include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/monitoring/metrics.h"
 #include "treeverify/services/grpc_rank_client.h"
 #include "treeverify/services/server_bootstrap.h"
 #include "treeverify/tools/checkpoint_generator.h"
@@ -64,7 +67,9 @@ struct GrpcRanks {
   }
 };
 
-std::unique_ptr<GrpcRanks> MakeGrpcRanks(bool set_runners = true) {
+// `metrics`: one per rank, or empty for none.
+std::unique_ptr<GrpcRanks> MakeGrpcRanks(bool set_runners = true,
+                                         std::vector<monitoring::WorkerMetrics*> metrics = {}) {
   auto ranks = std::make_unique<GrpcRanks>();
   auto group = worker::InProcessGroup::Create(kWorldSize);
   EXPECT_TRUE(group.ok()) << group.status();
@@ -83,8 +88,8 @@ std::unique_ptr<GrpcRanks> MakeGrpcRanks(bool set_runners = true) {
   }
   for (std::thread& t : loaders) t.join();
   for (int r = 0; r < kWorldSize; ++r) {
-    ranks->services.push_back(
-        std::make_unique<WorkerService>(WorkerServiceOptions{.group_epoch = kGroupEpoch}));
+    ranks->services.push_back(std::make_unique<WorkerService>(WorkerServiceOptions{
+        .group_epoch = kGroupEpoch, .metrics = metrics.empty() ? nullptr : metrics[r]}));
     if (set_runners) ranks->services[r]->SetRunner(ranks->runners[r].get());
     auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0"}, {ranks->services[r].get()});
     EXPECT_TRUE(server.ok()) << server.status();
@@ -116,6 +121,35 @@ TEST(WorkerServiceTest, DescribeReportsTheRank) {
   auto free_pages = clients[0]->Release(unknown, absl::Seconds(10));
   ASSERT_TRUE(free_pages.ok()) << free_pages.status();
   EXPECT_EQ(*free_pages, kKvPages);
+}
+
+// With metrics, every forward is recorded on its rank: its phases, their modeled bytes and the KV
+// pages the sequence holds.
+TEST(WorkerServiceTest, ForwardsAreRecordedInTheRanksMetrics) {
+  prometheus::Registry registry;
+  monitoring::WorkerMetrics rank0(registry, 0), rank1(registry, 1);
+  auto ranks = MakeGrpcRanks(true, {&rank0, &rank1});
+  auto engine = VerifyEngine::Create({}, ranks->Clients());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto session = (*engine)->CreateSession({.prompt_token_ids = {5, 17, 301, 42, 5}});
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*engine)->Verify({.session_id = session->session_id}).ok());
+  const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
+  for (const char* rank : {"0", "1"}) {
+    SCOPED_TRACE(rank);
+    const std::string r = std::string("rank=\"") + rank + "\"";
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_forwards_total{" + r + "} 2"));
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_forward_seconds_count{" + r + "} 2"));
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_forward_phase_seconds_count{phase=\"moe\"," +
+                                         r + "} 2"));
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_kv_pages{" + r + ",state=\"used\"} 1"));
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_kv_pages{" + r + ",state=\"free\"} " +
+                                         std::to_string(kKvPages - 1)));
+    EXPECT_THAT(text, testing::HasSubstr("treeverify_copy_bandwidth_bytes_per_second{" + r + "}"));
+    EXPECT_THAT(text,
+                testing::Not(testing::HasSubstr(
+                    "treeverify_forward_dram_bytes_total{phase=\"attention\"," + r + "} 0\n")));
+  }
 }
 
 TEST(WorkerServiceTest, UnavailableUntilTheRunnerIsSet) {

@@ -23,6 +23,7 @@
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
 #include "treeverify/worker/segment_tree.h"
+#include "treeverify/worker/step_accounting.h"
 
 namespace treeverify::worker {
 namespace {
@@ -433,6 +434,49 @@ TEST(ModelRunnerTest, LongChainsRunAsPiecesAndMatchShortChunks) {
 }
 
 // A sequence that does not fit in the cache, or sends a bad tree, fails alone.
+// The CPU backend keeps an account of every step: wall time in each phase (they add up), the
+// bytes model with its fp32 weights and KV rows, the host's copy bandwidth, the active experts.
+TEST(ModelRunnerTest, CpuStepsAreAccounted) {
+  std::unique_ptr<LocalModel> model = MakeModel("tiny-kimi", {.world_size = 2});
+  ASSERT_NE(model, nullptr);
+  EXPECT_FALSE(model->rank(0).last_step_account().has_value());
+  std::mt19937 rng(31);
+  const int vocab = static_cast<int>(model->config().vocab_size);
+  ForwardOne(*model, {.sequence_id = 1,
+                      .token_ids = RandomTokens(12, vocab, rng),
+                      .parents = SegmentTree::ChainParents(12)});
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    const std::optional<StepAccount> account = model->rank(r).last_step_account();
+    ASSERT_TRUE(account.has_value());
+    EXPECT_EQ(account->rows, 12);
+    EXPECT_EQ(account->sequences, 1);
+    EXPECT_GT(account->copy_bytes_per_second, 1e8);
+    double sum = 0;
+    for (const PhaseAccount& phase : account->phases) {
+      EXPECT_GE(phase.seconds, 0);
+      sum += phase.seconds;
+    }
+    EXPECT_DOUBLE_EQ(account->total_seconds, sum);
+    for (StepPhase p : {StepPhase::kEmbed, StepPhase::kAttention, StepPhase::kMoe,
+                        StepPhase::kAllReduce, StepPhase::kLmHead}) {
+      EXPECT_GT(account->phase(p).seconds, 0) << StepPhaseName(p);
+    }
+    // The LM head's bytes: the final norm and this rank's vocabulary rows, fp32.
+    const ModelConfig& c = model->config();
+    const double vocab_shard = static_cast<double>(model->rank(r).plan().vocab.size());
+    EXPECT_DOUBLE_EQ(account->phase(StepPhase::kLmHead).modeled_bytes,
+                     (c.hidden_size + vocab_shard * c.hidden_size) * 4.0);
+    // tiny-kimi: layer 0 dense, the MoE layers with at most 12 x 3 experts active (of 12).
+    ASSERT_EQ(account->active_experts.size(), static_cast<size_t>(c.num_hidden_layers));
+    EXPECT_EQ(account->active_experts[0], 0);
+    for (size_t l = 1; l < account->active_experts.size(); ++l) {
+      EXPECT_GT(account->active_experts[l], 0) << "layer " << l;
+      EXPECT_LE(account->active_experts[l], model->rank(r).plan().experts.size());
+    }
+  }
+}
+
 TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {
   const unsigned seed = 13;
   SCOPED_TRACE(testing::Message() << "seed " << seed);

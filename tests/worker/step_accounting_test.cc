@@ -60,9 +60,9 @@ TEST(StepAccountingTest, ModelsTheBytesEachPhaseMoves) {
 TEST(StepAccountingTest, UtilizationIsBytesOverTimeOverTheCeiling) {
   StepAccount account;
   account.copy_bytes_per_second = 4e12;
-  account.phase(StepPhase::kMoe) = {.gpu_seconds = 1e-3, .modeled_bytes = 2e9};
-  account.phase(StepPhase::kAllReduce) = {.gpu_seconds = 1e-3, .modeled_bytes = 0.0};
-  account.total_gpu_seconds = 2e-3;
+  account.phase(StepPhase::kMoe) = {.seconds = 1e-3, .modeled_bytes = 2e9};
+  account.phase(StepPhase::kAllReduce) = {.seconds = 1e-3, .modeled_bytes = 0.0};
+  account.total_seconds = 2e-3;
   EXPECT_DOUBLE_EQ(account.Bandwidth(StepPhase::kMoe), 2e12);
   EXPECT_DOUBLE_EQ(account.Utilization(StepPhase::kMoe), 0.5);
   EXPECT_DOUBLE_EQ(account.Utilization(StepPhase::kEmbed), 0.0);  // no time: no figure

@@ -1,6 +1,7 @@
 #include "treeverify/worker/cpu_forward.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "treeverify/kernels/activation.h"
@@ -12,10 +13,27 @@
 #include "treeverify/kernels/rms_norm.h"
 #include "treeverify/kernels/rope.h"
 #include "treeverify/kernels/status.h"
+#include "treeverify/worker/host_copy_bandwidth.h"
 
 namespace treeverify::worker {
 
 namespace cpu = kernels::cpu;
+
+// Charges the wall time since the previous mark to a phase of the step's account.
+class CpuForward::PhaseClock {
+ public:
+  explicit PhaseClock(StepAccount& account)
+      : account_(account), last_(std::chrono::steady_clock::now()) {}
+  void Mark(StepPhase phase) {
+    const auto now = std::chrono::steady_clock::now();
+    account_.phase(phase).seconds += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  StepAccount& account_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 absl::StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const ModelWeights& weights,
                                                                CpuKvStorage& kv_rows,
@@ -36,7 +54,10 @@ absl::StatusOr<ForwardParts> MakeCpuForward(const ModelWeights& weights,
 
 CpuForward::CpuForward(const ModelWeights& weights, CpuKvStorage& kv_rows,
                        Communicator* communicator)
-    : weights_(weights), kv_rows_(kv_rows), communicator_(communicator) {
+    : weights_(weights),
+      kv_rows_(kv_rows),
+      communicator_(communicator),
+      copy_bytes_per_second_(HostCopyBandwidth()) {
   rope_inv_freq_ = weights_.config.rope_inv_freq();
   rope_attention_factor_ = static_cast<float>(weights_.config.rope_attention_factor());
   softmax_scale_ = static_cast<float>(weights_.config.softmax_scale());
@@ -48,6 +69,9 @@ absl::Status CpuForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) 
   outputs.layer_hidden.resize(c.num_hidden_layers + 1);
   const int64_t rows = batch.rows();
   const int64_t hidden_size = c.hidden_size;
+  StepAccount account;
+  PhaseClock clock(account);
+  active_experts_.assign(c.num_hidden_layers, 0);
   std::vector<float> hidden(rows * hidden_size);
   TV_RETURN_IF_ERROR(cpu::Embedding({.token_ids = batch.token_ids.data(),
                                      .table = weights_.embedding.data(),
@@ -56,9 +80,11 @@ absl::Status CpuForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) 
                                      .hidden = hidden_size,
                                      .vocab_begin = static_cast<int32_t>(weights_.plan.vocab.begin),
                                      .vocab_end = static_cast<int32_t>(weights_.plan.vocab.end)}));
+  clock.Mark(StepPhase::kEmbed);
   TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(hidden)));
+  clock.Mark(StepPhase::kAllReduce);
   if (batch.capture_layer[0]) outputs.layer_hidden[0] = hidden;
-  TV_RETURN_IF_ERROR(RunLayers(batch, hidden, outputs));
+  TV_RETURN_IF_ERROR(RunLayers(batch, hidden, outputs, clock));
 
   TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = hidden.data(),
                                    .weight = weights_.final_norm.data(),
@@ -77,11 +103,31 @@ absl::Status CpuForward::Run(const BatchInputs& batch, ForwardOutputs& outputs) 
   TV_RETURN_IF_ERROR(SummarizeLogits(batch, logits.data(), vocab_shard,
                                      static_cast<int32_t>(weights_.plan.vocab.begin), outputs));
   if (batch.return_logits) outputs.logits = std::move(logits);
+  clock.Mark(StepPhase::kLmHead);
+  Account(batch, account);
   return absl::OkStatus();
 }
 
+void CpuForward::Account(const BatchInputs& batch, StepAccount& account) {
+  account.copy_bytes_per_second = copy_bytes_per_second_;
+  account.rows = account.padded_rows = batch.rows();
+  account.sequences = account.padded_sequences = batch.sequences();
+  account.active_experts = active_experts_;
+  StepShape shape{.rows = batch.rows(),
+                  .active_experts = active_experts_,
+                  .weight_bytes = sizeof(float),
+                  .kv_bytes = sizeof(float)};
+  for (int32_t s = 0; s < batch.sequences(); ++s) {
+    shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
+                         batch.row_offsets[s]);
+  }
+  ModelStepBytes(weights_.config, weights_.plan, shape, account);
+  for (const PhaseAccount& phase : account.phases) account.total_seconds += phase.seconds;
+  last_account_ = std::move(account);
+}
+
 absl::Status CpuForward::RunLayers(const BatchInputs& batch, std::vector<float>& hidden,
-                                   ForwardOutputs& outputs) {
+                                   ForwardOutputs& outputs, PhaseClock& clock) {
   const ModelConfig& c = weights_.config;
   const int64_t rows = batch.rows();
   std::vector<float> normed(hidden.size());
@@ -95,7 +141,9 @@ absl::Status CpuForward::RunLayers(const BatchInputs& batch, std::vector<float>&
                                      .dim = c.hidden_size,
                                      .eps = static_cast<float>(c.rms_norm_eps)}));
     TV_RETURN_IF_ERROR(Attention(l, batch, normed, branch));
+    clock.Mark(StepPhase::kAttention);
     TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(branch)));
+    clock.Mark(StepPhase::kAllReduce);
     for (size_t i = 0; i < hidden.size(); ++i) hidden[i] += branch[i];
 
     TV_RETURN_IF_ERROR(cpu::RmsNorm({.input = hidden.data(),
@@ -105,7 +153,9 @@ absl::Status CpuForward::RunLayers(const BatchInputs& batch, std::vector<float>&
                                      .dim = c.hidden_size,
                                      .eps = static_cast<float>(c.rms_norm_eps)}));
     TV_RETURN_IF_ERROR(Mlp(l, batch, normed, branch));
+    clock.Mark(StepPhase::kMoe);
     TV_RETURN_IF_ERROR(communicator_->AllReduceSum(absl::MakeSpan(branch)));
+    clock.Mark(StepPhase::kAllReduce);
     for (size_t i = 0; i < hidden.size(); ++i) hidden[i] += branch[i];
     if (batch.capture_layer[l + 1]) outputs.layer_hidden[l + 1] = hidden;
   }
@@ -327,6 +377,14 @@ absl::Status CpuForward::Mlp(int64_t layer_index, const BatchInputs& batch,
     TV_RETURN_IF_ERROR(GatedMlp(moe.shared, normed.data(), rows, hidden, shared.data()));
   }
   const ShardingPlan& plan = weights_.plan;
+  // The local experts with tokens: the bytes model's experts this layer must read.
+  std::vector<bool> active(plan.experts.size(), false);
+  for (int32_t id : topk_ids) {
+    const int64_t local = id - plan.experts.begin;
+    if (local >= 0 && local < plan.experts.size()) active[local] = true;
+  }
+  active_experts_[layer_index] =
+      static_cast<int32_t>(std::count(active.begin(), active.end(), true));
   return cpu::MoeExperts({.x = normed.data(),
                           .topk_ids = topk_ids.data(),
                           .topk_weights = topk_weights.data(),

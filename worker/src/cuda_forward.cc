@@ -222,6 +222,16 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
   account.padded_rows = layout.rows;
   account.sequences = batch.sequences();
   account.padded_sequences = layout.sequences;
+  if (last_mla_plan_ != nullptr) {
+    // With padding sequences the launch took the NSPLIT of the step's live count.
+    const cuda::MlaVerifyPlan& plan = *last_mla_plan_;
+    const int32_t live = batch.sequences() - plan.shape.min_live_seqs;
+    account.attention_nsplit = !plan.live_nsplit.empty() && live >= 0 &&
+                                       live < static_cast<int32_t>(plan.live_nsplit.size())
+                                   ? plan.live_nsplit[live]
+                                   : plan.nsplit;
+    account.attention_waves = plan.waves;
+  }
   account.launch = last_launch_;
   account.prefill = !prefill_chains_.empty();
   std::vector<uint64_t> stamps(marks_.size() + 1);
@@ -230,11 +240,11 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
                                           stream_));
   TV_RETURN_IF_ERROR(Synchronize());
   for (size_t i = 0; i < marks_.size(); ++i) {
-    account.phase(marks_[i]).gpu_seconds += static_cast<double>(stamps[i + 1] - stamps[i]) * 1e-9;
+    account.phase(marks_[i]).seconds += static_cast<double>(stamps[i + 1] - stamps[i]) * 1e-9;
   }
   TV_ASSIGN_OR_RETURN(const CudaKvStorage::Commits commits, kv_rows_.TakeCommits());
-  account.phase(StepPhase::kKvCommit).gpu_seconds = commits.gpu_seconds;
-  for (const PhaseAccount& phase : account.phases) account.total_gpu_seconds += phase.gpu_seconds;
+  account.phase(StepPhase::kKvCommit).seconds = commits.seconds;
+  for (const PhaseAccount& phase : account.phases) account.total_seconds += phase.seconds;
 
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
@@ -507,6 +517,7 @@ absl::Status CudaForward::Step(const BatchInputs& batch, ForwardOutputs& outputs
   TV_RETURN_IF_ERROR(StartAccount());
   TV_RETURN_IF_ERROR(Upload(batch, layout));
   last_launch_ = StepLaunch::kEager;  // unless RunGraph captures or replays
+  last_mla_plan_ = nullptr;           // set by the attention (or the replayed graph)
   const bool captures = std::find(batch.capture_layer.begin(), batch.capture_layer.end(), true) !=
                         batch.capture_layer.end();
   // A graph replays device work only: hidden states copied out mid-step and all-reduces through
@@ -607,6 +618,7 @@ absl::Status CudaForward::RunGraph(const StepLayout& layout) {
   graph.last_used = ++graph_clock_;
   if (graph.exec != nullptr && graph.epoch == buffers_epoch_) {
     marks_ = graph.marks;
+    last_mla_plan_ = graph.mla_plan;
     last_launch_ = StepLaunch::kReplay;
     return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
   }
@@ -634,6 +646,7 @@ absl::Status CudaForward::RunGraph(const StepLayout& layout) {
   cudaGraphDestroy(recorded);
   TV_CUDA_RETURN_IF_ERROR(instantiated);
   graph.marks = marks_;  // the phase marks the graph records
+  graph.mla_plan = last_mla_plan_;
   return cuda::CudaStatus(cudaGraphLaunch(graph.exec, stream_), "cudaGraphLaunch");
 }
 
@@ -897,6 +910,7 @@ absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayou
                                    .rope_dim = static_cast<int32_t>(rope),
                                    .page_size = cache.page_size};
   TV_ASSIGN_OR_RETURN(const cuda::MlaVerifyPlan* plan, MlaPlanFor(shape));
+  last_mla_plan_ = plan;
   TV_RETURN_IF_ERROR(cuda::MlaVerifyAttention(
       {.q = a.q_attn.get(),
        .kv_cache = kv_rows_.layer_data(layer_index),

@@ -76,7 +76,7 @@ absl::StatusOr<CudaKvStorage::Commits> CudaKvStorage::TakeCommits() {
   TV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_move_));
   float ms = 0.0f;
   TV_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, first_move_, last_move_));
-  commits.gpu_seconds = ms * 1e-3;
+  commits.seconds = ms * 1e-3;
   commits.moves = std::exchange(moves_, 0);
   return commits;
 }

@@ -28,7 +28,7 @@ double StepAccount::total_bytes() const {
 
 double StepAccount::Bandwidth(StepPhase p) const {
   const PhaseAccount& account = phase(p);
-  return account.gpu_seconds > 0.0 ? account.modeled_bytes / account.gpu_seconds : 0.0;
+  return account.seconds > 0.0 ? account.modeled_bytes / account.seconds : 0.0;
 }
 
 double StepAccount::Utilization(StepPhase p) const {
@@ -36,19 +36,20 @@ double StepAccount::Utilization(StepPhase p) const {
 }
 
 double StepAccount::TotalBandwidth() const {
-  return total_gpu_seconds > 0.0 ? total_bytes() / total_gpu_seconds : 0.0;
+  return total_seconds > 0.0 ? total_bytes() / total_seconds : 0.0;
 }
 
 double StepAccount::TotalUtilization() const {
   return copy_bytes_per_second > 0.0 ? TotalBandwidth() / copy_bytes_per_second : 0.0;
 }
 
-// Weights are bf16 (2 bytes), the correction bias fp32, KV rows bf16. Activations are left out:
+// Weights and KV rows as the backend stores them (StepShape: bf16 on GPUs, fp32 on CPUs), the
+// correction bias fp32. Activations are left out:
 // at verify sizes they are a fraction of a percent of the weights (16 rows of 7168 against
 // matrices of 7168 x 1536 and up).
 void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepShape& shape,
                     StepAccount& account) {
-  constexpr double kWeight = 2.0;
+  const double weight = shape.weight_bytes;
   const double hidden = static_cast<double>(c.hidden_size);
   const double heads = static_cast<double>(plan.heads.size());
   const double row_dim = static_cast<double>(c.kv_row_dim());
@@ -56,7 +57,7 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
   for (PhaseAccount& p : account.phases) p.modeled_bytes = 0.0;
 
   // Embedding: the rows' table rows read, the fp32 residual written.
-  account.phase(StepPhase::kEmbed).modeled_bytes = rows * hidden * (kWeight + 4.0);
+  account.phase(StepPhase::kEmbed).modeled_bytes = rows * hidden * (weight + 4.0);
 
   double attention_weights = hidden;  // input norm
   if (c.q_lora_rank) {
@@ -70,9 +71,9 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
   attention_weights += hidden * heads * c.v_head_dim;                                 // o_proj
   double keys = 0.0;
   for (int64_t k : shape.keys) keys += static_cast<double>(k);
-  const double kv_bytes = (keys + rows) * row_dim * kWeight;  // read every key, write new rows
+  const double kv_bytes = (keys + rows) * row_dim * shape.kv_bytes;  // read every key, write new
   account.phase(StepPhase::kAttention).modeled_bytes =
-      c.num_hidden_layers * (attention_weights * kWeight + kv_bytes);
+      c.num_hidden_layers * (attention_weights * weight + kv_bytes);
 
   double moe = 0.0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -83,17 +84,18 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
       layer += c.n_routed_experts * hidden;  // router
       layer += active * 3.0 * hidden * static_cast<double>(plan.expert_intermediate.size());
       layer += 3.0 * hidden * static_cast<double>(plan.shared_intermediate.size());
-      moe += layer * kWeight + c.n_routed_experts * 4.0;  // + the fp32 correction bias
+      moe += layer * weight + c.n_routed_experts * 4.0;  // + the fp32 correction bias
     } else {
       layer += 3.0 * hidden * static_cast<double>(plan.dense_intermediate.size());
-      moe += layer * kWeight;
+      moe += layer * weight;
     }
   }
   account.phase(StepPhase::kMoe).modeled_bytes = moe;
   account.phase(StepPhase::kLmHead).modeled_bytes =
-      (hidden + static_cast<double>(plan.vocab.size()) * hidden) * kWeight;
-  account.phase(StepPhase::kKvCommit).modeled_bytes =
-      static_cast<double>(shape.committed_moves) * c.num_hidden_layers * row_dim * kWeight * 2.0;
+      (hidden + static_cast<double>(plan.vocab.size()) * hidden) * weight;
+  account.phase(StepPhase::kKvCommit).modeled_bytes = static_cast<double>(shape.committed_moves) *
+                                                      c.num_hidden_layers * row_dim *
+                                                      shape.kv_bytes * 2.0;
 }
 
 }  // namespace treeverify::worker

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "treeverify/coordinator/engine_observer.h"
 #include "treeverify/coordinator/rank_client.h"
 #include "treeverify/coordinator/session_manager.h"
 #include "treeverify/coordinator/verifier_api.h"
@@ -49,6 +50,9 @@ struct VerifyEngineOptions {
   absl::Duration rank_timeout = absl::Seconds(60);
   absl::Duration expiry_interval = absl::Seconds(1);  // how often idle sessions are expired
   SessionManagerOptions sessions;
+  // Told of every step, session, forward and lost rank (metrics); not owned, outlives the
+  // engine. Null: nobody is told.
+  EngineObserver* observer = nullptr;
 
   absl::Status Validate() const;
 };

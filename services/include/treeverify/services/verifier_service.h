@@ -8,7 +8,8 @@
 // ends it with OK.
 //
 // The server starts before the ranks have joined; until SetEngine, and once the engine stops
-// serving, calls fail with UNAVAILABLE.
+// serving, calls fail with UNAVAILABLE. With metrics, every call is counted by method and status
+// code as it finishes (each request of a VerifyStream as a Verify).
 //
 //   VerifierService verifier;
 //   ... start the server, wait for the ranks, build the engine ...
@@ -20,13 +21,17 @@
 #include <atomic>
 
 #include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/monitoring/metrics.h"
 #include "treeverify/v1/verifier.grpc.pb.h"
 
 namespace treeverify::services {
 
 class VerifierService final : public v1::Verifier::CallbackService {
  public:
-  explicit VerifierService(coordinator::VerifyEngine* engine = nullptr) : engine_(engine) {}
+  // `metrics` (optional) outlives the service.
+  explicit VerifierService(coordinator::VerifyEngine* engine = nullptr,
+                           monitoring::CoordinatorMetrics* metrics = nullptr)
+      : engine_(engine), metrics_(metrics) {}
 
   // From now on calls go to `engine`, which must outlive every call (shut the server down before
   // destroying the engine). Call at most once.
@@ -52,8 +57,14 @@ class VerifierService final : public v1::Verifier::CallbackService {
 
   // The engine when it takes new work; otherwise nullptr and the status to answer with.
   coordinator::VerifyEngine* ServingEngine(grpc::Status* refusal) const;
+  // Counts a finished request (when there are metrics).
+  void Count(const char* method, const grpc::Status& status) const;
+  // Counts a unary call's status, then finishes it.
+  void Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+              const grpc::Status& status) const;
 
   std::atomic<coordinator::VerifyEngine*> engine_;
+  monitoring::CoordinatorMetrics* const metrics_;
 };
 
 }  // namespace treeverify::services

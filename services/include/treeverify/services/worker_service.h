@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <string>
 
+#include "treeverify/monitoring/metrics.h"
 #include "treeverify/services/serial_executor.h"
 #include "treeverify/v1/worker.grpc.pb.h"
 #include "treeverify/worker/model_runner.h"
@@ -30,6 +31,8 @@ struct WorkerServiceOptions {
   // Reported by Describe.
   int64_t group_epoch = 0;
   std::string backend = "cpu";
+  // Recorded after every forward (worker_metrics.h); not owned, outlives the service. Null: none.
+  monitoring::WorkerMetrics* metrics = nullptr;
 };
 
 class WorkerService final : public v1::Worker::CallbackService {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -14,6 +15,7 @@
 #include "treeverify/worker/forward_backend.h"
 #include "treeverify/worker/kv_storage.h"
 #include "treeverify/worker/model_weights.h"
+#include "treeverify/worker/step_accounting.h"
 
 namespace treeverify::worker {
 
@@ -31,11 +33,17 @@ class CpuForward final : public ForwardBackend {
                                                             Communicator* communicator);
 
   absl::Status Run(const BatchInputs& inputs, ForwardOutputs& outputs) override;
+  // Every step's account (step_accounting.h): wall time per phase against the fp32 bytes model
+  // and the host's copy bandwidth. The KV commit runs in the runner before the step, outside it.
+  std::optional<StepAccount> last_step_account() const override { return last_account_; }
 
  private:
+  class PhaseClock;  // charges wall time to the step's phases
   CpuForward(const ModelWeights& weights, CpuKvStorage& kv_rows, Communicator* communicator);
   absl::Status RunLayers(const BatchInputs& batch, std::vector<float>& hidden,
-                         ForwardOutputs& outputs);
+                         ForwardOutputs& outputs, PhaseClock& clock);
+  // Fills and keeps the step's account (the phases' times are in it already).
+  void Account(const BatchInputs& batch, StepAccount& account);
   absl::Status Attention(int64_t layer, const BatchInputs& batch, const std::vector<float>& normed,
                          std::vector<float>& out);
   absl::Status Mlp(int64_t layer, const BatchInputs& batch, const std::vector<float>& normed,
@@ -47,6 +55,9 @@ class CpuForward final : public ForwardBackend {
   std::vector<float> rope_inv_freq_;
   float rope_attention_factor_ = 1.0f;
   float softmax_scale_ = 1.0f;
+  double copy_bytes_per_second_ = 0.0;
+  std::vector<int32_t> active_experts_;  // of the running step, per layer
+  std::optional<StepAccount> last_account_;
 };
 
 }  // namespace treeverify::worker

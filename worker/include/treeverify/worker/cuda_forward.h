@@ -145,8 +145,9 @@ class CudaForward final : public ForwardBackend {
     bool seen = false;  // run eagerly once (plans made, buffers sized)
     int64_t epoch = 0;  // buffers_epoch_ when seen or captured
     cudaGraphExec_t exec = nullptr;
-    std::vector<StepPhase> marks;  // the phase marks the graph records
-    int64_t last_used = 0;         // graph_clock_ at its last step
+    std::vector<StepPhase> marks;                            // the phase marks the graph records
+    int64_t last_used = 0;                                   // graph_clock_ at its last step
+    const kernels::cuda::MlaVerifyPlan* mla_plan = nullptr;  // the attention's, when captured
   };
   // Batches of many sequences and contexts still make many layouts: past this many, the least
   // recently used graph is dropped.
@@ -294,6 +295,8 @@ class CudaForward final : public ForwardBackend {
   uint64_t* norm_stamp_ = nullptr;       // a mark's slot that the next RmsNorm writes
   DeviceArray<int32_t> active_experts_;  // [layers] written by the MoE grouping
   std::optional<StepAccount> last_account_;
+  // The MLA plan the step's tree attention ran with (its NSPLIT and waves go to the account).
+  const kernels::cuda::MlaVerifyPlan* last_mla_plan_ = nullptr;
 };
 
 }  // namespace treeverify::worker

@@ -28,7 +28,7 @@ class CudaKvStorage final : public KvStorage {
   // With accounting on, the moves since the last TakeCommits() are timed (on the stream): their
   // GPU seconds (once the stream has passed them) and how many rows moved.
   struct Commits {
-    double gpu_seconds = 0.0;
+    double seconds = 0.0;
     int64_t moves = 0;
   };
   absl::Status EnableAccounting();

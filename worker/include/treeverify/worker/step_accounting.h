@@ -1,6 +1,7 @@
-// How a verify step spends its time, phase by phase, against the bytes each phase must move: the
-// GPU backend's account of how close it comes to the memory bandwidth (DRAM utilization = modeled
-// bytes / GPU time / the measured copy bandwidth). docs/gpu-worker.md gives the bytes model.
+// How a verify step spends its time, phase by phase, against the bytes each phase must move: a
+// backend's account of how close it comes to the memory bandwidth (DRAM utilization = modeled
+// bytes / time / the measured copy bandwidth). GPU time on the GPU backend, wall time on the CPU
+// backend. docs/gpu-worker.md gives the bytes model.
 //
 //   std::optional<StepAccount> step = runner->last_step_account();
 //   double moe_utilization = step->Utilization(StepPhase::kMoe);
@@ -27,7 +28,7 @@ inline constexpr int kStepPhases = 6;
 const char* StepPhaseName(StepPhase phase);
 
 struct PhaseAccount {
-  double gpu_seconds = 0.0;
+  double seconds = 0.0;        // GPU time (CUDA backend) or wall time (CPU backend)
   double modeled_bytes = 0.0;  // DRAM bytes the phase must move (0: not a DRAM-bound phase)
 };
 
@@ -37,8 +38,8 @@ enum class StepLaunch { kEager, kCapture, kReplay };
 
 struct StepAccount {
   std::array<PhaseAccount, kStepPhases> phases{};
-  double total_gpu_seconds = 0.0;      // the phases' sum
-  double copy_bytes_per_second = 0.0;  // the device's measured copy bandwidth
+  double total_seconds = 0.0;          // the phases' sum
+  double copy_bytes_per_second = 0.0;  // the device's (or the host's) measured copy bandwidth
   int64_t rows = 0;                    // tree nodes in the step
   int64_t padded_rows = 0;             // rows the device ran: up to the step layout's bucket
   int32_t sequences = 0;               // sequences in the step
@@ -48,6 +49,9 @@ struct StepAccount {
   // bytes are a floor far below its time.
   bool prefill = false;
   std::vector<int32_t> active_experts;  // per layer (0 for dense layers)
+  // What the MLA planner chose for the step's tree attention (GPU backend; 0 elsewhere).
+  int32_t attention_nsplit = 0;
+  double attention_waves = 0.0;
 
   const PhaseAccount& phase(StepPhase p) const { return phases[static_cast<int>(p)]; }
   PhaseAccount& phase(StepPhase p) { return phases[static_cast<int>(p)]; }
@@ -65,6 +69,9 @@ struct StepShape {
   std::vector<int64_t> keys;            // per sequence: committed + its new rows
   std::vector<int32_t> active_experts;  // per layer: local experts with tokens (MoE layers)
   int64_t committed_moves = 0;          // rows moved by the commit before the step
+  // Bytes per weight and per KV element: bf16 on the GPU backend, fp32 on the CPU backend.
+  double weight_bytes = 2.0;
+  double kv_bytes = 2.0;
 };
 
 // Fills the modeled_bytes of every phase.
