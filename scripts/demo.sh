@@ -3,8 +3,9 @@
 # DeepSeek-V3-style checkpoint (once), starts the coordinator and two CPU worker processes
 # (tensor parallel, Gloo over loopback), waits until the service is SERVING, then drives it with
 # treeverify-cli: plain decoding, the ngram drafter and the noisy-oracle drafter (acceptance 0.8),
-# printing tokens, accepted tokens per step and tokens per second. Everything it started is
-# stopped on exit, Ctrl-C or failure.
+# printing tokens, accepted tokens per step and tokens per second, then the processes' Prometheus
+# endpoints and a few of the series they hold. Everything it started is stopped on exit, Ctrl-C
+# or failure.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/install-deps.sh"
@@ -48,15 +49,43 @@ wait_for_address() {
   return 1
 }
 
+# Reads "... metrics on http://HOST:PORT/metrics" from a process's log.
+metrics_address() {
+  local log=$1
+  for _ in $(seq 1 600); do
+    if grep -q "metrics on" "$log" 2>/dev/null; then
+      grep -m1 "metrics on" "$log" | awk '{print $NF}'
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "no metrics address in $log" >&2
+  return 1
+}
+
+# GET http://HOST:PORT/PATH with bash alone (no HTTP client needed).
+http_get() {
+  local url=${1#http://} host port path
+  host=${url%%:*}
+  port=${url#*:}
+  port=${port%%/*}
+  path=/${url#*/}
+  exec 3<>"/dev/tcp/$host/$port"
+  printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$path" "$host" >&3
+  sed '1,/^\r$/d' <&3
+  exec 3<&-
+}
+
 setsid "$build_dir/services/treeverify-coordinator" --listen 127.0.0.1:0 --world-size 2 \
-  --model-name demo >"$run_dir/coordinator.log" 2>&1 &
+  --model-name demo --metrics-listen 127.0.0.1:0 >"$run_dir/coordinator.log" 2>&1 &
 pids+=($!)
 coordinator=$(wait_for_address "$run_dir/coordinator.log")
 # Two worker processes share this machine's cores: one OpenMP thread each, and no spinning.
 for rank in 0 1; do
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE \
     setsid "$build_dir/services/treeverify-worker" --rank $rank --world-size 2 --coordinator "$coordinator" \
-    --model "$model_dir" --listen 127.0.0.1:0 >"$run_dir/worker$rank.log" 2>&1 &
+    --model "$model_dir" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+    >"$run_dir/worker$rank.log" 2>&1 &
   pids+=($!)
 done
 # Foreground work runs as `cmd & wait`, so a signal to this script is handled at once.
@@ -73,4 +102,11 @@ for drafter in none ngram noisy-oracle; do
 done
 echo
 echo "coordinator: $coordinator (gRPC Verifier API, health, reflection)."
-echo "metrics: not exported yet (Prometheus endpoints come with the observability issue)."
+coordinator_metrics=$(metrics_address "$run_dir/coordinator.log")
+echo "metrics: $coordinator_metrics (coordinator)"
+for rank in 0 1; do
+  echo "metrics: $(metrics_address "$run_dir/worker$rank.log") (worker rank $rank)"
+done
+echo
+echo "== from the coordinator's /metrics (monitoring/README.md lists every series):"
+http_get "$coordinator_metrics" | grep -E '^treeverify_(emitted_tokens|drafts|draft_tokens|accepted_tokens)_total|^treeverify_step_seconds_(count|sum)|^treeverify_requests_total'

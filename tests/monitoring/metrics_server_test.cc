@@ -2,6 +2,7 @@
 // scrape, a free port when asked for port 0, and clear errors for bad addresses.
 #include "treeverify/monitoring/metrics_server.h"
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -36,6 +37,26 @@ TEST(MetricsServerTest, ServesTheRegistryAndTheProcessMetrics) {
       MetricsServer::Start((*server)->address(), registry);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
   EXPECT_TRUE(absl::StrContains(second.status().message(), (*server)->address()));
+}
+
+// Only GET /metrics is served; the server stops at once when destroyed.
+TEST(MetricsServerTest, OtherPathsAreNotFoundAndStoppingIsPrompt) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", registry);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const absl::StatusOr<std::string> other = testing_http::HttpGet((*server)->address(), "/");
+  EXPECT_FALSE(other.ok());
+  EXPECT_TRUE(absl::StrContains(other.status().message(), "HTTP 404")) << other.status();
+  // Several scrapes in a row, as Prometheus makes them.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(testing_http::HttpGet((*server)->address(), "/metrics").ok());
+  }
+  const std::string address = (*server)->address();
+  const auto start = std::chrono::steady_clock::now();
+  server->reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
+  EXPECT_FALSE(testing_http::HttpGet(address, "/metrics").ok());  // nobody listens any more
 }
 
 TEST(MetricsServerTest, AnAddressWithoutAPortIsAnInvalidArgument) {
