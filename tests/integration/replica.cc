@@ -8,10 +8,13 @@
 #include <filesystem>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "treeverify/kernels/status.h"
 #include "treeverify/services/grpc_rank_client.h"
 #include "treeverify/tools/checkpoint_generator.h"
 
@@ -51,18 +54,27 @@ class ScratchCleanup final : public testing::Environment {
 [[maybe_unused]] testing::Environment* const kScratchCleanup =
     testing::AddGlobalTestEnvironment(new ScratchCleanup);
 
-// "... listening on HOST:PORT" -> "HOST:PORT".
-absl::StatusOr<std::string> ListenAddress(const std::string& line) {
-  static constexpr char kMarker[] = "listening on ";
-  const size_t at = line.rfind(kMarker);
+// "... listening on HOST:PORT" -> "HOST:PORT"; with another marker, "... metrics on
+// http://HOST:PORT/metrics" -> "HOST:PORT".
+absl::StatusOr<std::string> ListenAddress(const std::string& line,
+                                          const std::string& marker = "listening on ") {
+  const size_t at = line.rfind(marker);
   if (at == std::string::npos) {
     return absl::InternalError(absl::StrCat("no address in '", line, "'"));
   }
-  std::string address = line.substr(at + sizeof(kMarker) - 1);
-  while (!address.empty() && (address.back() == '\r' || address.back() == ' ')) {
-    address.pop_back();
-  }
-  return address;
+  absl::string_view address = absl::string_view(line).substr(at + marker.size());
+  address = absl::StripTrailingAsciiWhitespace(address);
+  if (absl::ConsumeSuffix(&address, "/metrics")) absl::ConsumePrefix(&address, "http://");
+  return std::string(address);
+}
+
+// The metrics line comes first on a process's stdout (the endpoint starts before the server).
+absl::Status ReadMetricsAddress(ChildProcess& process, absl::Time deadline,
+                                std::vector<std::string>& addresses) {
+  TV_ASSIGN_OR_RETURN(const std::string line, process.ReadLineContaining("metrics on ", deadline));
+  TV_ASSIGN_OR_RETURN(std::string address, ListenAddress(line, "metrics on "));
+  addresses.push_back(std::move(address));
+  return absl::OkStatus();
 }
 
 std::atomic<int> next_replica_id{0};
@@ -120,9 +132,18 @@ absl::StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& op
       .name = "coordinator"};
   coordinator.argv.insert(coordinator.argv.end(), options.coordinator_flags.begin(),
                           options.coordinator_flags.end());
+  if (options.metrics)
+    coordinator.argv.insert(coordinator.argv.end(), {"--metrics-listen", "127.0.0.1:0"});
   absl::StatusOr<std::unique_ptr<ChildProcess>> started = ChildProcess::Start(coordinator);
   if (!started.ok()) return started.status();
   replica->coordinator_ = *std::move(started);
+  if (options.metrics) {
+    if (absl::Status read =
+            ReadMetricsAddress(*replica->coordinator_, deadline, replica->metrics_addresses_);
+        !read.ok()) {
+      return failed(read);
+    }
+  }
   absl::StatusOr<std::string> line =
       replica->coordinator_->ReadLineContaining("listening on", deadline);
   if (!line.ok()) return failed(line.status());
@@ -140,11 +161,18 @@ absl::StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& op
         .stderr_path = absl::StrCat(log_prefix, "worker", rank, ".log"),
         .name = absl::StrCat("worker rank ", rank)};
     worker.argv.insert(worker.argv.end(), options.worker_flags.begin(), options.worker_flags.end());
+    if (options.metrics) worker.argv.insert(worker.argv.end(), {"--metrics-listen", "127.0.0.1:0"});
     started = ChildProcess::Start(worker);
     if (!started.ok()) return failed(started.status());
     replica->workers_.push_back(*std::move(started));
   }
   for (auto& worker : replica->workers_) {
+    if (options.metrics) {
+      if (absl::Status read = ReadMetricsAddress(*worker, deadline, replica->metrics_addresses_);
+          !read.ok()) {
+        return failed(read);
+      }
+    }
     line = worker->ReadLineContaining("listening on", deadline);
     if (!line.ok()) return failed(line.status());
     address = ListenAddress(*line);

@@ -38,6 +38,9 @@ struct ReplicaOptions {
   // Appended to the coordinator's / every worker's command line ("--max-context", "32", ...).
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
+  // Every process also serves Prometheus metrics on a free port (--metrics-listen 127.0.0.1:0):
+  // metrics_addresses() has them.
+  bool metrics = false;
   // Start-up: every process listening, the group formed, the coordinator SERVING.
   absl::Duration start_timeout = absl::Seconds(90);
   // Deadline of each call of client() (a CreateSession prefills its prompt).
@@ -58,6 +61,8 @@ class Replica {
   int world_size() const { return static_cast<int>(workers_.size()); }
   const std::string& coordinator_address() const { return coordinator_address_; }
   const std::vector<std::string>& worker_addresses() const { return worker_addresses_; }
+  // With ReplicaOptions::metrics: host:port of the coordinator's /metrics, then each rank's.
+  const std::vector<std::string>& metrics_addresses() const { return metrics_addresses_; }
   ChildProcess& coordinator() { return *coordinator_; }
   ChildProcess& worker(int rank) { return *workers_[rank]; }
   pid_t coordinator_pid() const { return coordinator_->pid(); }
@@ -82,6 +87,7 @@ class Replica {
   std::vector<std::unique_ptr<ChildProcess>> workers_;
   std::string coordinator_address_;
   std::vector<std::string> worker_addresses_;
+  std::vector<std::string> metrics_addresses_;
   std::unique_ptr<services::VerifierClient> client_;
 };
 
