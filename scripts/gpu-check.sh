@@ -48,6 +48,7 @@ gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
            tests/kernels/cuda_mla_verify_attention_test tests/kernels/cuda_mha_prefill_attention_test
            tests/worker/cuda_forward_test
            tests/worker/cuda_golden_test tests/worker/nccl_communicator_test
+           tests/worker/nvml_sampler_test
            tests/integration/cuda_service_test)
 # What the service test starts, bundled beside the tests and named to them through the
 # environment (tests/integration/replica.cc), as is the source tree (the golden fixtures).

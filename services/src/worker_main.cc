@@ -33,6 +33,7 @@
 
 #include "treeverify/worker/cuda_forward.h"
 #include "treeverify/worker/nccl_communicator.h"
+#include "treeverify/worker/nvml_sampler.h"
 #endif
 
 ABSL_FLAG(int32_t, rank, -1, "This worker's rank in [0, world size)");
@@ -257,6 +258,25 @@ absl::Status Run(SignalWaiter& signals) {
       worker::ModelRunner::Create(model_dir, *runner_options, communicator->get());
   if (!runner.ok()) return Context(runner.status(), "loading the model");
   service.SetRunner(runner->get());
+#ifdef TREEVERIFY_HAVE_CUDA
+  // NVML's view of the GPU beside the bytes model's (a missing NVML leaves those gauges out).
+  std::unique_ptr<worker::NvmlSampler> nvml;
+  if (metrics_server != nullptr && backend == "cuda") {
+    absl::StatusOr<std::unique_ptr<worker::NvmlSampler>> sampler = worker::NvmlSampler::Start(
+        GpuOfRank(rank), absl::Seconds(1), [&metrics](const worker::NvmlSample& sample) {
+          metrics.SetGpuMemoryUtilization(sample.memory_utilization);
+          if (sample.dram_bandwidth_utilization) {
+            metrics.SetGpuDramUtilization(*sample.dram_bandwidth_utilization);
+          }
+        });
+    if (sampler.ok()) {
+      nvml = *std::move(sampler);
+    } else {
+      std::fprintf(stderr, "%s: no NVML metrics: %s\n", program.c_str(),
+                   sampler.status().ToString().c_str());
+    }
+  }
+#endif
   server.SetServing(true);
   if (absl::Status status = store.Join(rank, world_size, advertised); !status.ok()) {
     server.Shutdown(absl::ZeroDuration());  // before the runner goes away

@@ -10,10 +10,14 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "../kernels/cuda/cuda_test_base.h"
+#include "absl/strings/match.h"
+#include "http_get.h"
 #include "margin_rule.h"
 #include "test_support.h"
 #include "treeverify/kernels/cuda/device.h"
@@ -146,6 +150,59 @@ void ExpectEmittedSequencesConfirmed(CudaServiceTest& test, int world_size) {
 
 TEST_F(CudaServiceTest, EmittedSequencesAreConfirmedByTeacherForcingOnTheCpu) {
   ExpectEmittedSequencesConfirmed(*this, 1);
+}
+
+// A GPU worker's metrics: its forward phases against the bytes model and the copy bandwidth
+// measured on the device, the MLA planner's NSPLIT and waves, and NVML's memory utilization
+// (DRAM bandwidth too where the GPU has GPM), every scrape passing the naming conventions.
+TEST_F(CudaServiceTest, GpuWorkersExportTheirMetrics) {
+  const std::string model_dir = GoldenModelDir("kimi_k2_tiny");
+  Replica* replica = StartReplica({.world_size = 1,
+                                   .model_dir = model_dir,
+                                   .worker_flags = {"--backend", "cuda"},
+                                   .metrics = true});
+  ASSERT_NE(replica, nullptr);
+  absl::StatusOr<coordinator::ModelInfo> info = replica->client().GetModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  for (const std::vector<int32_t>& prompt : RepetitivePrompts(2, info->vocab_size, 77)) {
+    absl::StatusOr<GenerateResult> run =
+        Generate(replica->client(), info->vocab_size, prompt, {.drafter = "ngram"});
+    ASSERT_TRUE(run.ok()) << run.status();
+  }
+  absl::SleepFor(absl::Milliseconds(2500));  // NVML samples every second
+  absl::StatusOr<std::string> scrape =
+      testing_http::HttpGet(replica->metrics_addresses()[1], "/metrics");
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  std::map<std::string, double> samples;
+  std::istringstream lines(*scrape);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    samples[line.substr(0, space)] = std::stod(line.substr(space + 1));
+  }
+  auto value = [&](const std::string& series) {
+    const auto found = samples.find(series);
+    EXPECT_NE(found, samples.end()) << series << " missing from\n" << *scrape;
+    return found != samples.end() ? found->second : -1.0;
+  };
+  EXPECT_GT(value("treeverify_forwards_total{rank=\"0\"}"), 0);
+  EXPECT_GT(value("treeverify_forward_dram_bytes_total{phase=\"moe\",rank=\"0\"}"), 0);
+  EXPECT_GT(value("treeverify_forward_busy_seconds_total{phase=\"attention\",rank=\"0\"}"), 0);
+  EXPECT_GT(value("treeverify_copy_bandwidth_bytes_per_second{rank=\"0\"}"), 1e11);
+  EXPECT_GE(value("treeverify_attention_nsplit{rank=\"0\"}"), 1);
+  EXPECT_GT(value("treeverify_attention_waves{rank=\"0\"}"), 0);
+  const double memory = value("treeverify_gpu_memory_utilization_ratio{rank=\"0\"}");
+  EXPECT_GE(memory, 0);
+  EXPECT_LE(memory, 1);
+  const bool gpm = samples.contains("treeverify_gpu_dram_bandwidth_utilization_ratio{rank=\"0\"}");
+  std::cout << "GPU worker metrics: NSPLIT " << value("treeverify_attention_nsplit{rank=\"0\"}")
+            << ", NVML memory utilization " << memory << ", GPM "
+            << (gpm ? std::to_string(
+                          samples["treeverify_gpu_dram_bandwidth_utilization_ratio{rank=\"0\"}"])
+                    : std::string("absent"))
+            << "\n";
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "treeverify_build_info{backend=\"cuda\",component=\"worker\""));
 }
 
 // Two worker processes, one GPU each (--gpu defaults to the rank), over NCCL.
