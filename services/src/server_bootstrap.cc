@@ -57,6 +57,9 @@ absl::Status ServerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_concurrent_streams must be >= 1, got ", max_concurrent_streams));
   }
+  if (!health_listen_address.empty()) {
+    TV_RETURN_IF_ERROR(ParseHostPort(health_listen_address).status());
+  }
   return absl::OkStatus();
 }
 
@@ -85,7 +88,24 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   }
   auto result = std::unique_ptr<GrpcServer>(
       new GrpcServer(options, std::move(server), port, JoinHostPort(listen.host, port)));
+  if (!options.health_listen_address.empty()) {
+    TV_ASSIGN_OR_RETURN(HostPort health_listen, ParseHostPort(options.health_listen_address));
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(options.health_listen_address,
+                                    grpc::InsecureServerCredentials(), &health_port);
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    result->health_server_ = health_builder.BuildAndStart();
+    if (result->health_server_ == nullptr || health_port == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on ", options.health_listen_address, " (health port)"));
+    }
+    result->health_address_ = JoinHostPort(health_listen.host, health_port);
+  }
   result->SetServing(false);
+  for (grpc::HealthCheckServiceInterface* health : result->HealthServices()) {
+    health->SetServingStatus(kLivenessService, true);
+  }
   return result;
 }
 
@@ -98,12 +118,22 @@ GrpcServer::GrpcServer(ServerOptions options, std::unique_ptr<grpc::Server> serv
 
 GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }
 
+std::vector<grpc::HealthCheckServiceInterface*> GrpcServer::HealthServices() {
+  std::vector<grpc::HealthCheckServiceInterface*> services;
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server != nullptr && server->GetHealthCheckService() != nullptr) {
+      services.push_back(server->GetHealthCheckService());
+    }
+  }
+  return services;
+}
+
 void GrpcServer::SetServing(bool serving) {
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus("", serving);
-  for (const std::string& name : options_.health_services) {
-    health->SetServingStatus(name, serving);
+  for (grpc::HealthCheckServiceInterface* health : HealthServices()) {
+    health->SetServingStatus("", serving);
+    for (const std::string& name : options_.health_services) {
+      health->SetServingStatus(name, serving);
+    }
   }
 }
 
@@ -111,8 +141,15 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
   SetServing(false);
+  for (grpc::HealthCheckServiceInterface* health : HealthServices()) {
+    health->SetServingStatus(kLivenessService, false);
+  }
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(absl::ToChronoTime(absl::Now()));
+    health_server_->Wait();
+  }
 }
 
 }  // namespace treeverify::services

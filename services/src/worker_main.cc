@@ -62,6 +62,10 @@ ABSL_FLAG(
     std::string, metrics_listen, "",
     "Address of the Prometheus /metrics endpoint (host:port; port 0 picks a free one, printed "
     "on stdout); empty: no endpoint. On GPUs it also turns the step's phase accounting on");
+ABSL_FLAG(std::string, health_listen, "",
+          "Address of a plaintext port serving only grpc.health.v1, for Kubernetes' gRPC probes "
+          "(host:port; port 0 picks one, printed on stdout): readiness on the main service, "
+          "liveness on 'treeverify.liveness'; empty: no such port");
 ABSL_FLAG(int64_t, shutdown_grace_s, 10,
           "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
 
@@ -228,10 +232,14 @@ absl::Status Run(SignalWaiter& signals) {
   absl::StatusOr<std::unique_ptr<GrpcServer>> started =
       GrpcServer::Start({.listen_address = absl::GetFlag(FLAGS_listen),
                          .max_message_bytes = max_message_bytes,
-                         .health_services = {std::string(v1::Worker::service_full_name())}},
+                         .health_services = {std::string(v1::Worker::service_full_name())},
+                         .health_listen_address = absl::GetFlag(FLAGS_health_listen)},
                         {&service});
   if (!started.ok()) return started.status();
   GrpcServer& server = **started;
+  if (!server.health_address().empty()) {
+    std::printf("%s health on %s\n", program.c_str(), server.health_address().c_str());
+  }
   std::printf("%s listening on %s\n", program.c_str(), server.address().c_str());
   std::fflush(stdout);
   absl::StatusOr<HostPort> listen = ParseHostPort(server.address());
