@@ -11,7 +11,11 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
 )
 test_packages=(prometheus)
-if [ "${1:-}" = "--test" ]; then packages+=("${test_packages[@]}"); fi
+if [ "${1:-}" = "--test" ]; then
+  packages+=("${test_packages[@]}")
+  # tests/deploy makes a virtual environment: Debian's own python3 needs python3-venv for it.
+  if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then packages+=(python3-venv); fi
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
