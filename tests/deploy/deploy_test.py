@@ -235,6 +235,29 @@ class ManifestTest(unittest.TestCase):
                             expected = liveness if probe != "readinessProbe" else readiness[binary]
                             self.assertEqual(grpc["service"], expected, f"{where}: {probe}")
 
+    def test_ports_are_unique_within_a_pod(self):
+        # The containers of a pod share its network namespace.
+        for layout, objects in self.layouts.items():
+            for obj in objects:
+                for name, template in pod_templates(obj):
+                    ports = [p["containerPort"] for c in template["spec"]["containers"]
+                             for p in c.get("ports", [])]
+                    names = [p["name"] for c in template["spec"]["containers"]
+                             for p in c.get("ports", [])]
+                    self.assertEqual(len(ports), len(set(ports)), f"{layout}: {name}: {ports}")
+                    self.assertEqual(len(names), len(set(names)), f"{layout}: {name}: {names}")
+
+    def test_rank_patches_are_generated_from_the_base(self):
+        generator = os.path.join(K8S, "tools", "generate_rank_patches.py")
+        with tempfile.TemporaryDirectory() as out:
+            result = run([sys.executable, generator, out])
+            self.assertEqual(result.returncode, 0, result.stderr)
+            for written in result.stdout.split():
+                with open(os.path.join(out, written)) as fresh, \
+                        open(os.path.join(K8S, written)) as committed:
+                    self.assertEqual(fresh.read(), committed.read(),
+                                     f"{written}: run deploy/k8s/tools/generate_rank_patches.py")
+
     def test_services_target_ports_that_exist(self):
         for layout, objects in self.layouts.items():
             pods = [t for o in objects for _, t in pod_templates(o)]
