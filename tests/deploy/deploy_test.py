@@ -235,6 +235,27 @@ class ManifestTest(unittest.TestCase):
                             expected = liveness if probe != "readinessProbe" else readiness[binary]
                             self.assertEqual(grpc["service"], expected, f"{where}: {probe}")
 
+    def test_references_resolve_and_images_are_set(self):
+        # ConfigMaps and claims a pod names exist (generated names carry a hash, which Kustomize
+        # writes into the workloads it knows: a custom one needs its configuration), and every
+        # image is a full reference (the images transformer reached it).
+        for layout, objects in self.layouts.items():
+            names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+            for obj in objects:
+                for name, template in pod_templates(obj):
+                    spec = template["spec"]
+                    where = f"{layout}: {name}"
+                    for container in spec.get("initContainers", []) + spec["containers"]:
+                        self.assertRegex(container["image"], r"^[a-z0-9.-]+/.+:.+$", where)
+                        for source in container.get("envFrom", []):
+                            ref = source["configMapRef"]["name"]
+                            self.assertIn(("ConfigMap", ref), names, f"{where}: envFrom {ref}")
+                    for volume in spec.get("volumes", []):
+                        claim = volume.get("persistentVolumeClaim")
+                        if claim:
+                            self.assertIn(("PersistentVolumeClaim", claim["claimName"]), names,
+                                          where)
+
     def test_ports_are_unique_within_a_pod(self):
         # The containers of a pod share its network namespace.
         for layout, objects in self.layouts.items():
