@@ -485,9 +485,10 @@ TEST_F(SafetensorsTest, CorruptUnknownDtype) {
 }
 
 TEST_F(SafetensorsTest, UnsupportedIntegerDtype) {
-  WriteRaw("x.safetensors", R"({"ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}})",
-           "abcdefgh");
-  ExpectCorrupt("x.safetensors", {"\"ids\"", "\"I64\"", "supported: BF16, F16, F32, I32"});
+  WriteRaw("x.safetensors", R"({"ids": {"dtype": "U16", "shape": [1], "data_offsets": [0, 2]}})",
+           "ab");
+  ExpectCorrupt("x.safetensors",
+                {"\"ids\"", "\"U16\"", "supported: BF16, F16, F32, F8_E4M3, I32, I64"});
 }
 
 // I32 tensors (token ids in fixtures) open and give their bytes, but are never read as weights.
@@ -511,10 +512,53 @@ TEST_F(SafetensorsTest, I32TensorsOpenButAreNotWeights) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("is I32"));
 }
 
-TEST_F(SafetensorsTest, Fp8IsRefusedAsNotSupportedYet) {
-  WriteRaw("x.safetensors",
-           R"({"q_proj": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 4]}})", "abcd");
-  ExpectCorrupt("x.safetensors", {"\"q_proj\"", "F8_E4M3", "FP8", "not supported yet"});
+// FP8 and I64 tensors open (the parts of quantized weights) but are not read as plain weights.
+TEST_F(SafetensorsTest, Fp8AndI64TensorsOpenButAreNotPlainWeights) {
+  WriteRaw("model.safetensors",
+           R"({"q_proj": {"dtype": "F8_E4M3", "shape": [2, 2], "data_offsets": [0, 4]},)"
+           R"( "shape": {"dtype": "I64", "shape": [2], "data_offsets": [8, 24]}})",
+           std::string("\x38\x40\xb8\x7e", 4) + std::string(4, '\0') + std::string(16, '\0'));
+  auto checkpoint = Checkpoint::Open(dir_.string());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  for (const char* name : {"q_proj", "shape"}) {
+    const absl::Status status =
+        (*checkpoint)
+            ->Read(name, name == std::string("q_proj") ? std::vector<int64_t>{2, 2}
+                                                       : std::vector<int64_t>{2})
+            .status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("quantization_config")) << name;
+  }
+  auto info = (*checkpoint)->Info("q_proj");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->dtype, DType::kF8E4M3);
+  EXPECT_EQ(DTypeSize(DType::kF8E4M3), 1u);
+  EXPECT_EQ(DTypeSize(DType::kI64), 8u);
+}
+
+TEST(Fp8E4M3Test, DecodesHandPickedPatterns) {
+  EXPECT_EQ(Fp8E4M3ToFloat(0x00), 0.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x38), 1.0f);  // exponent 7 (the bias), mantissa 0
+  EXPECT_EQ(Fp8E4M3ToFloat(0x40), 2.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0xB8), -1.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x3C), 1.5f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7E), 448.0f);  // the largest finite value
+  EXPECT_EQ(Fp8E4M3ToFloat(0xFE), -448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x08), 0.015625f);         // the smallest normal, 2^-6
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), 0.001953125f);      // the smallest subnormal, 2^-9
+  EXPECT_EQ(Fp8E4M3ToFloat(0x07), 7 * 0.001953125f);  // the largest subnormal
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToFloat(0x7F)));      // e4m3fn: no infinities
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToFloat(0xFF)));
+}
+
+TEST(Fp8E4M3Test, PositiveCodesIncreaseAndNegativesMirrorThem) {
+  for (int code = 1; code <= 0x7E; ++code) {
+    EXPECT_GT(Fp8E4M3ToFloat(static_cast<uint8_t>(code)),
+              Fp8E4M3ToFloat(static_cast<uint8_t>(code - 1)))
+        << code;
+    EXPECT_EQ(Fp8E4M3ToFloat(static_cast<uint8_t>(code | 0x80)),
+              -Fp8E4M3ToFloat(static_cast<uint8_t>(code)));
+  }
 }
 
 TEST_F(SafetensorsTest, CorruptOffsetsOutOfRange) {

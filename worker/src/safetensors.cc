@@ -37,8 +37,6 @@ static_assert(std::endian::native == std::endian::little, "safetensors I/O assum
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr std::string_view kMetadataKey = "__metadata__";
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kF32 || dtype == DType::kI32 ? 4 : 2; }
-
 const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kF32:
@@ -49,6 +47,10 @@ const char* DTypeName(DType dtype) {
       return "BF16";
     case DType::kI32:
       return "I32";
+    case DType::kI64:
+      return "I64";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -83,15 +85,12 @@ absl::StatusOr<DType> ParseDType(const std::string& path, const std::string& ten
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
   if (name == "I32") return DType::kI32;
-  if (name.rfind("F8_", 0) == 0) {
-    return TensorError(path, tensor,
-                       absl::StrCat("dtype \"", name,
-                                    "\" is FP8, which is not supported yet (supported: BF16, F16, "
-                                    "F32)"));
-  }
-  return TensorError(
-      path, tensor,
-      absl::StrCat("dtype \"", name, "\" is not supported (supported: BF16, F16, F32, I32)"));
+  if (name == "I64") return DType::kI64;
+  if (name == "F8_E4M3") return DType::kF8E4M3;
+  return TensorError(path, tensor,
+                     absl::StrCat("dtype \"", name,
+                                  "\" is not supported (supported: BF16, F16, F32, F8_E4M3, I32, "
+                                  "I64)"));
 }
 
 // Number of elements of `shape`, refusing negative entries and products past `limit` (so the
@@ -232,7 +231,9 @@ void ConvertToFloat(const uint8_t* source, DType dtype, size_t count, float* des
         destination[i] = F16ToFloat(bits);
       }
       return;
-    case DType::kI32:  // refused by LocateWithShape before any conversion
+    case DType::kI32:  // refused by LocateWithShape before any conversion, as are these
+    case DType::kI64:
+    case DType::kF8E4M3:
       return;
   }
 }
@@ -259,6 +260,31 @@ bool IsPlainFileName(const std::string& name) {
 
 // ---------------------------------------------------------------------------------------------
 // Conversions
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF8E4M3:
+      return 1;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+  }
+  return 1;
+}
+
+float Fp8E4M3ToFloat(uint8_t bits) {
+  const float sign = (bits & 0x80) != 0 ? -1.0f : 1.0f;
+  const int exponent = (bits >> 3) & 0xF;
+  const int mantissa = bits & 0x7;
+  if (exponent == 0xF && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);  // subnormal
+  return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+}
 
 float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
@@ -480,9 +506,12 @@ absl::StatusOr<Checkpoint::Located> Checkpoint::LocateWithShape(
                                                    " has shape ", ShapeString(tensor.info->shape),
                                                    ", expected ", ShapeString(expected_shape)));
   }
-  if (tensor.info->dtype == DType::kI32) {
-    return absl::InvalidArgumentError(absl::StrCat(tensor.file->path(), ": tensor ", name,
-                                                   " is I32; weights must be BF16, F16 or F32"));
+  const DType dtype = tensor.info->dtype;
+  if (dtype == DType::kI32 || dtype == DType::kI64 || dtype == DType::kF8E4M3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        tensor.file->path(), ": tensor ", name, " is ", DTypeName(dtype),
+        "; weights must be BF16, F16 or F32, or a quantized format config.json's "
+        "quantization_config names"));
   }
   return tensor;
 }

@@ -22,9 +22,11 @@
 
 namespace treeverify::worker {
 
-// kI32 tensors (token ids in test fixtures) can be opened and their raw bytes read; the float
-// readers refuse them.
-enum class DType { kF32, kF16, kBF16, kI32 };
+// kI32 / kI64 tensors (token ids in test fixtures, packed int4 weights and their shapes) can be
+// opened and their raw bytes read; the float readers refuse them unless they are the parts of a
+// quantized weight (quantized_weights.h). kF8E4M3 is FP8 e4m3fn (DeepSeek-V3's weights).
+enum class DType { kF32, kF16, kBF16, kI32, kI64, kF8E4M3 };
+size_t DTypeSize(DType dtype);
 
 struct TensorInfo {
   DType dtype = DType::kF32;
@@ -104,5 +106,8 @@ float Bf16ToFloat(uint16_t bits);
 uint16_t FloatToBf16(float value);
 float F16ToFloat(uint16_t bits);
 uint16_t FloatToF16(float value);
+// FP8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, NaN when all
+// exponent and mantissa bits are set; largest finite 448), exactly.
+float Fp8E4M3ToFloat(uint8_t bits);
 
 }  // namespace treeverify::worker
