@@ -454,6 +454,46 @@ TEST(ModelConfigTest, ParsesKimiK2) {
                        ReferenceYarnInvFreq(64, 50000.0, 32.0, 4096.0, 1.0, 1.0, true));
 }
 
+// quantization_config: DeepSeek-V3's fp8 blocks and Kimi-K2-Thinking's int4 groups (as their
+// config.json files publish them), and what is refused.
+TEST(ModelConfigTest, ParsesQuantizationConfigs) {
+  EXPECT_EQ(ParseOk(kKimiK2).quantization.method, WeightQuantization::Method::kNone);
+  const ModelConfig fp8 =
+      ParseOk(With(kKimiK2, R"("vocab_size": 163840)",
+                   R"("vocab_size": 163840, "quantization_config": {"activation_scheme": "dynamic",
+         "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]})"));
+  EXPECT_EQ(fp8.quantization, (WeightQuantization{.method = WeightQuantization::Method::kFp8Block,
+                                                  .block_rows = 128,
+                                                  .block_cols = 128}));
+  const ModelConfig int4 =
+      ParseOk(With(kKimiK2, R"("vocab_size": 163840)",
+                   R"("vocab_size": 163840, "quantization_config": {"config_groups": {"group_0": {
+         "input_activations": null, "output_activations": null, "targets": ["Linear"],
+         "weights": {"actorder": null, "block_structure": null, "dynamic": false,
+         "group_size": 32, "num_bits": 4, "observer": "minmax", "observer_kwargs": {},
+         "strategy": "group", "symmetric": true, "type": "int"}}},
+         "format": "pack-quantized", "ignore": ["lm_head", "re:.*self_attn.*"],
+         "kv_cache_scheme": null, "quant_method": "compressed-tensors",
+         "quantization_status": "compressed"})"));
+  EXPECT_EQ(int4.quantization.method, WeightQuantization::Method::kInt4Group);
+  EXPECT_EQ(int4.quantization.group_size, 32);
+  const std::string kimi = kKimiK2;
+  auto quantized = [&](const std::string& quantization) {
+    return With(kimi, R"("vocab_size": 163840)",
+                R"("vocab_size": 163840, "quantization_config": )" + quantization);
+  };
+  ExpectRefused(quantized(R"({"quant_method": "awq"})"), "quant_method \"awq\" is not supported");
+  ExpectRefused(quantized(R"({"quant_method": "fp8", "fmt": "e5m2"})"), "only e4m3");
+  ExpectRefused(quantized(R"({"quant_method": "fp8", "weight_block_size": [128]})"),
+                "weight_block_size");
+  ExpectRefused(quantized(R"({"quant_method": "compressed-tensors", "format": "float-quantized"})"),
+                "only pack-quantized");
+  ExpectRefused(quantized(R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "symmetric": true,
+      "strategy": "group", "group_size": 32}}}})"),
+                "only 4-bit symmetric int");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Defaults and derived values
 

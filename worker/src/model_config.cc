@@ -381,6 +381,66 @@ absl::Status ParseMoe(const FieldReader& root, ModelConfig& config) {
   return absl::OkStatus();
 }
 
+// config.json's `quantization_config` (weight_quantization.h): DeepSeek-V3's fp8 blocks, or
+// compressed-tensors pack-quantized int4 groups (Kimi-K2-Thinking).
+absl::StatusOr<WeightQuantization> ParseWeightQuantization(const Json& config,
+                                                           const std::string& source) {
+  auto error = [&](const std::string& message) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": quantization_config ", message));
+  };
+  if (!config.is_object()) return error("must be an object");
+  const std::string method = config.value("quant_method", "");
+  WeightQuantization q;
+  if (method == "fp8") {
+    q.method = WeightQuantization::Method::kFp8Block;
+    if (config.contains("fmt") && config["fmt"] != "e4m3") {
+      return error(absl::StrCat("fmt ", config["fmt"].dump(), ": only e4m3 is supported"));
+    }
+    const Json& block = config.contains("weight_block_size") ? config["weight_block_size"]
+                                                             : Json::array({128, 128});
+    if (!block.is_array() || block.size() != 2 || !block[0].is_number_integer() ||
+        !block[1].is_number_integer() || block[0].get<int64_t>() < 1 ||
+        block[1].get<int64_t>() < 1) {
+      return error(
+          absl::StrCat("weight_block_size ", block.dump(), " must be two positive integers"));
+    }
+    q.block_rows = block[0].get<int64_t>();
+    q.block_cols = block[1].get<int64_t>();
+    return q;
+  }
+  if (method == "compressed-tensors") {
+    if (config.value("format", "") != "pack-quantized") {
+      return error(absl::StrCat("format ", config.value("format", Json()).dump(),
+                                ": only pack-quantized (int4 groups) is supported"));
+    }
+    const Json& groups = config.contains("config_groups") ? config["config_groups"] : Json();
+    if (!groups.is_object() || groups.size() != 1) {
+      return error("config_groups must hold one group (the experts' int4 weights)");
+    }
+    const Json& weights =
+        groups.begin()->contains("weights") ? (*groups.begin())["weights"] : Json();
+    const bool int4_groups =
+        weights.is_object() && weights.value("num_bits", 0) == 4 &&
+        weights.value("type", "") == "int" && weights.value("symmetric", false) &&
+        weights.value("strategy", "") == "group" && weights.value("group_size", 0) > 0;
+    if (!int4_groups) {
+      return error(absl::StrCat("weights ", weights.dump(),
+                                ": only 4-bit symmetric int in groups is supported"));
+    }
+    q.method = WeightQuantization::Method::kInt4Group;
+    q.group_size = weights["group_size"].get<int64_t>();
+    if (q.group_size % 8 != 0) {
+      return error(absl::StrCat("group_size ", q.group_size,
+                                " must be a multiple of 8 (the "
+                                "int4 values one int32 packs)"));
+    }
+    return q;
+  }
+  return error(
+      absl::StrCat("quant_method \"", method,
+                   "\" is not supported (fp8, or compressed-tensors pack-quantized int4)"));
+}
+
 absl::Status ParseEos(const FieldReader& root, ModelConfig& config) {
   const Json* eos = root.Find("eos_token_id");
   if (eos == nullptr) return absl::OkStatus();
@@ -412,6 +472,9 @@ absl::StatusOr<ModelConfig> Parse(absl::string_view text, const std::string& sou
   const FieldReader root(json, source, "");
   ModelConfig config;
   TV_ASSIGN_OR_RETURN(config.architecture, ParseArchitecture(root, config));
+  if (const Json* quantization = root.Find("quantization_config"); quantization != nullptr) {
+    TV_ASSIGN_OR_RETURN(config.quantization, ParseWeightQuantization(*quantization, source));
+  }
   const bool v3 = config.architecture == Architecture::kDeepseekV3;
 
   TV_ASSIGN_OR_RETURN(config.vocab_size, root.RequiredInt("vocab_size", 1));

@@ -4,23 +4,25 @@
 
 #include "absl/strings/str_cat.h"
 #include "treeverify/kernels/status.h"
+#include "treeverify/worker/quantized_weights.h"
 #include "treeverify/worker/safetensors.h"
 
 namespace treeverify::worker {
 namespace {
 
-// A rank's row or column range of a checkpoint tensor, as fp32.
-absl::StatusOr<std::vector<float>> Rows(const Checkpoint& checkpoint, const std::string& name,
+// A rank's row or column range of a checkpoint tensor, as fp32 (dequantized if stored
+// quantized: quantized_weights.h).
+absl::StatusOr<std::vector<float>> Rows(const WeightReader& checkpoint, const std::string& name,
                                         const std::vector<int64_t>& shape, ShardRange rows) {
   return checkpoint.ReadRows(name, shape, rows.begin, rows.end);
 }
-absl::StatusOr<std::vector<float>> Columns(const Checkpoint& checkpoint, const std::string& name,
+absl::StatusOr<std::vector<float>> Columns(const WeightReader& checkpoint, const std::string& name,
                                            const std::vector<int64_t>& shape, ShardRange columns) {
   return checkpoint.ReadColumns(name, shape, columns.begin, columns.end);
 }
 
 // A gated MLP [gate; up] x down whose intermediate columns `columns` this rank holds.
-absl::StatusOr<MlpWeights> LoadMlp(const Checkpoint& reader, const std::string& prefix,
+absl::StatusOr<MlpWeights> LoadMlp(const WeightReader& reader, const std::string& prefix,
                                    int64_t hidden, int64_t intermediate, ShardRange columns) {
   MlpWeights mlp;
   mlp.intermediate = columns.size();
@@ -35,8 +37,9 @@ absl::StatusOr<MlpWeights> LoadMlp(const Checkpoint& reader, const std::string& 
   return mlp;
 }
 
-absl::StatusOr<AttentionWeights> LoadAttention(const Checkpoint& reader, const std::string& prefix,
-                                               const ModelConfig& c, const ShardingPlan& plan) {
+absl::StatusOr<AttentionWeights> LoadAttention(const WeightReader& reader,
+                                               const std::string& prefix, const ModelConfig& c,
+                                               const ShardingPlan& plan) {
   AttentionWeights a;
   const int64_t hidden = c.hidden_size;
   const int64_t heads = c.num_attention_heads;
@@ -80,7 +83,7 @@ absl::StatusOr<AttentionWeights> LoadAttention(const Checkpoint& reader, const s
   return a;
 }
 
-absl::StatusOr<MoeWeights> LoadMoe(const Checkpoint& reader, const std::string& prefix,
+absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string& prefix,
                                    const ModelConfig& c, const ShardingPlan& plan) {
   MoeWeights m;
   const int64_t hidden = c.hidden_size;
@@ -119,7 +122,7 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const std::stri
                                                                  const ModelConfig& c,
                                                                  const ShardingPlan& plan) {
   TV_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(dir));
-  const Checkpoint& reader = *checkpoint;
+  const WeightReader reader(*checkpoint, c.quantization);
   auto w = std::make_unique<ModelWeights>();
   w->config = c;
   w->plan = plan;

@@ -286,6 +286,27 @@ float Fp8E4M3ToFloat(uint8_t bits) {
   return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
 }
 
+uint8_t FloatToFp8E4M3(float value) {
+  if (std::isnan(value)) return 0x7F;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const float magnitude = std::fabs(value);
+  // The finite codes 0x00..0x7E increase with their value: find the nearest by bisection.
+  int low = 0, high = 0x7E;
+  if (magnitude >= Fp8E4M3ToFloat(0x7E)) return static_cast<uint8_t>(sign | 0x7E);
+  while (high - low > 1) {
+    const int middle = (low + high) / 2;
+    if (Fp8E4M3ToFloat(static_cast<uint8_t>(middle)) <= magnitude) {
+      low = middle;
+    } else {
+      high = middle;
+    }
+  }
+  const float below = magnitude - Fp8E4M3ToFloat(static_cast<uint8_t>(low));
+  const float above = Fp8E4M3ToFloat(static_cast<uint8_t>(high)) - magnitude;
+  const int nearest = below < above ? low : (above < below ? high : (low % 2 == 0 ? low : high));
+  return static_cast<uint8_t>(sign | nearest);
+}
+
 float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 uint16_t FloatToBf16(float value) {
@@ -519,6 +540,11 @@ absl::StatusOr<Checkpoint::Located> Checkpoint::LocateWithShape(
 absl::StatusOr<TensorInfo> Checkpoint::Info(const std::string& name) const {
   TV_ASSIGN_OR_RETURN(Located tensor, Locate(name));
   return *tensor.info;
+}
+
+absl::StatusOr<const uint8_t*> Checkpoint::RawData(const std::string& name) const {
+  TV_ASSIGN_OR_RETURN(Located tensor, Locate(name));
+  return tensor.data;
 }
 
 absl::StatusOr<std::vector<float>> Checkpoint::Read(

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "treeverify/kernels/moe.h"
+#include "treeverify/worker/weight_quantization.h"
 
 namespace treeverify::worker {
 
@@ -40,6 +41,8 @@ struct YarnScaling {
 struct ModelConfig {
   Architecture architecture = Architecture::kDeepseekV3;
   std::string model_type;  // "deepseek_v3", "deepseek_v2", "kimi_k2"
+  // How the linear layers' weights are stored (quantization_config; none: as their dtype says).
+  WeightQuantization quantization;
 
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;

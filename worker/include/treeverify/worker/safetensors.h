@@ -63,6 +63,8 @@ class Checkpoint {
 
   bool Has(const std::string& name) const;
   absl::StatusOr<TensorInfo> Info(const std::string& name) const;
+  // A tensor's raw bytes (little-endian, Info's dtype and shape): what quantized formats read.
+  absl::StatusOr<const uint8_t*> RawData(const std::string& name) const;
   // Whole tensor as fp32, checked against the expected shape.
   absl::StatusOr<std::vector<float>> Read(const std::string& name,
                                           const std::vector<int64_t>& expected_shape) const;
@@ -109,5 +111,7 @@ uint16_t FloatToF16(float value);
 // FP8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, NaN when all
 // exponent and mantissa bits are set; largest finite 448), exactly.
 float Fp8E4M3ToFloat(uint8_t bits);
+// The nearest FP8 e4m3fn value (ties to the even code), saturating at +-448; NaN stays NaN.
+uint8_t FloatToFp8E4M3(float value);
 
 }  // namespace treeverify::worker

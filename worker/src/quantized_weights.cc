@@ -1,0 +1,191 @@
+#include "treeverify/worker/quantized_weights.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "treeverify/kernels/status.h"
+
+namespace treeverify::worker {
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A slice boundary must fall on a block edge, or at the tensor's end.
+absl::Status CheckAligned(const std::string& name, const char* what, int64_t begin, int64_t end,
+                          int64_t size, int64_t block, const char* unit) {
+  const bool aligned = begin % block == 0 && (end % block == 0 || end == size);
+  if (aligned) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      name, ": the tensor-parallel split takes ", what, " [", begin, ", ", end, ") of ", size,
+      ", which cuts a quantization ", unit, " of ", block,
+      ": choose a world size (or expert sharding) whose slices are multiples of ", block));
+}
+
+// A whole float tensor (scales) of the expected shape.
+absl::StatusOr<std::vector<float>> ReadScales(const Checkpoint& checkpoint, const std::string& name,
+                                              const std::vector<int64_t>& expected) {
+  TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint.Info(name));
+  if (info.shape != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", ShapeText(info.shape),
+                                                   ", expected ", ShapeText(expected)));
+  }
+  return checkpoint.Read(name, expected);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<float>> WeightReader::Read(const std::string& name,
+                                                      const std::vector<int64_t>& shape) const {
+  if (shape.size() != 2) return checkpoint_.Read(name, shape);
+  return Slice(name, shape, 0, shape[0], 0, shape[1], false, false);
+}
+
+absl::StatusOr<std::vector<float>> WeightReader::ReadRows(const std::string& name,
+                                                          const std::vector<int64_t>& shape,
+                                                          int64_t row_begin,
+                                                          int64_t row_end) const {
+  if (shape.size() != 2) return checkpoint_.ReadRows(name, shape, row_begin, row_end);
+  return Slice(name, shape, row_begin, row_end, 0, shape[1], true, false);
+}
+
+absl::StatusOr<std::vector<float>> WeightReader::ReadColumns(const std::string& name,
+                                                             const std::vector<int64_t>& shape,
+                                                             int64_t col_begin,
+                                                             int64_t col_end) const {
+  return Slice(name, shape, 0, shape.size() == 2 ? shape[0] : 0, col_begin, col_end, false, true);
+}
+
+absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
+                                                       const std::vector<int64_t>& shape,
+                                                       int64_t r0, int64_t r1, int64_t c0,
+                                                       int64_t c1, bool rows, bool columns) const {
+  const std::string suffix = ".weight";
+  const bool linear = name.size() > suffix.size() &&
+                      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  if (checkpoint_.Has(name)) {
+    TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint_.Info(name));
+    if (info.dtype == DType::kF8E4M3 && linear) {
+      if (quantization_.method != WeightQuantization::Method::kFp8Block) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, " is F8_E4M3, but config.json's quantization_config does not say fp8"));
+      }
+      if (r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 || c1 > shape[1]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": the slice is outside ", ShapeText(shape)));
+      }
+      return Fp8(name, info, shape, r0, r1, c0, c1);
+    }
+  } else if (linear) {
+    const std::string prefix = name.substr(0, name.size() - suffix.size());
+    if (checkpoint_.Has(prefix + ".weight_packed")) {
+      if (quantization_.method != WeightQuantization::Method::kInt4Group) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix,
+            ".weight_packed is int4, but config.json's quantization_config does not say "
+            "compressed-tensors pack-quantized"));
+      }
+      if (shape.size() != 2 || r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 ||
+          c1 > shape[1]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": the slice is outside ", ShapeText(shape)));
+      }
+      return Int4(prefix, shape, r0, r1, c0, c1);
+    }
+  }
+  if (rows) return checkpoint_.ReadRows(name, shape, r0, r1);
+  if (columns) return checkpoint_.ReadColumns(name, shape, c0, c1);
+  return checkpoint_.Read(name, shape);
+}
+
+absl::StatusOr<std::vector<float>> WeightReader::Fp8(const std::string& name,
+                                                     const TensorInfo& info,
+                                                     const std::vector<int64_t>& shape, int64_t r0,
+                                                     int64_t r1, int64_t c0, int64_t c1) const {
+  if (info.shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has shape ", ShapeText(info.shape), ", expected ", ShapeText(shape)));
+  }
+  const int64_t out = shape[0], in = shape[1];
+  const int64_t br = quantization_.block_rows, bc = quantization_.block_cols;
+  TV_RETURN_IF_ERROR(CheckAligned(name, "rows", r0, r1, out, br, "block"));
+  TV_RETURN_IF_ERROR(CheckAligned(name, "columns", c0, c1, in, bc, "block"));
+  TV_ASSIGN_OR_RETURN(std::vector<float> scales, ReadScales(checkpoint_, name + "_scale_inv",
+                                                            {CeilDiv(out, br), CeilDiv(in, bc)}));
+  TV_ASSIGN_OR_RETURN(const uint8_t* bytes, checkpoint_.RawData(name));
+  const int64_t scale_cols = CeilDiv(in, bc);
+  std::vector<float> values(static_cast<size_t>((r1 - r0) * (c1 - c0)));
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = bytes + r * in;
+    const float* row_scales = scales.data() + (r / br) * scale_cols;
+    float* destination = values.data() + (r - r0) * (c1 - c0);
+    for (int64_t c = c0; c < c1; ++c) {
+      destination[c - c0] = Fp8E4M3ToFloat(row[c]) * row_scales[c / bc];
+    }
+  }
+  return values;
+}
+
+absl::StatusOr<std::vector<float>> WeightReader::Int4(const std::string& prefix,
+                                                      const std::vector<int64_t>& shape, int64_t r0,
+                                                      int64_t r1, int64_t c0, int64_t c1) const {
+  const int64_t out = shape[0], in = shape[1];
+  const int64_t group = quantization_.group_size;
+  // The shape the checkpoint records for the weight must be the one the model expects.
+  const std::string shape_name = prefix + ".weight_shape";
+  TV_ASSIGN_OR_RETURN(TensorInfo shape_info, checkpoint_.Info(shape_name));
+  if (shape_info.shape != std::vector<int64_t>{2} ||
+      (shape_info.dtype != DType::kI32 && shape_info.dtype != DType::kI64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(shape_name, " must be an I32 or I64 tensor of shape [2]"));
+  }
+  TV_ASSIGN_OR_RETURN(const uint8_t* shape_bytes, checkpoint_.RawData(shape_name));
+  std::vector<int64_t> recorded(2);
+  for (int i = 0; i < 2; ++i) {
+    if (shape_info.dtype == DType::kI64) {
+      std::memcpy(&recorded[i], shape_bytes + 8 * i, 8);
+    } else {
+      int32_t value;
+      std::memcpy(&value, shape_bytes + 4 * i, 4);
+      recorded[i] = value;
+    }
+  }
+  if (recorded != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(shape_name, " says ", ShapeText(recorded),
+                                                   ", but the model expects ", ShapeText(shape)));
+  }
+  const std::string packed_name = prefix + ".weight_packed";
+  TV_ASSIGN_OR_RETURN(TensorInfo packed_info, checkpoint_.Info(packed_name));
+  const std::vector<int64_t> packed_shape = {out, CeilDiv(in, 8)};
+  if (packed_info.dtype != DType::kI32 || packed_info.shape != packed_shape) {
+    return absl::InvalidArgumentError(absl::StrCat(packed_name, " must be I32 of shape ",
+                                                   ShapeText(packed_shape), ", got ",
+                                                   ShapeText(packed_info.shape)));
+  }
+  TV_RETURN_IF_ERROR(CheckAligned(prefix + ".weight", "columns", c0, c1, in, group, "group"));
+  TV_ASSIGN_OR_RETURN(std::vector<float> scales,
+                      ReadScales(checkpoint_, prefix + ".weight_scale", {out, CeilDiv(in, group)}));
+  TV_ASSIGN_OR_RETURN(const uint8_t* packed, checkpoint_.RawData(packed_name));
+  const int64_t words = packed_shape[1];
+  const int64_t groups = CeilDiv(in, group);
+  std::vector<float> values(static_cast<size_t>((r1 - r0) * (c1 - c0)));
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = packed + r * words * 4;
+    const float* row_scales = scales.data() + r * groups;
+    float* destination = values.data() + (r - r0) * (c1 - c0);
+    for (int64_t c = c0; c < c1; ++c) {
+      uint32_t word;
+      std::memcpy(&word, row + (c / 8) * 4, 4);
+      const int nibble = static_cast<int>((word >> (4 * (c % 8))) & 0xF);
+      destination[c - c0] = static_cast<float>(nibble - 8) * row_scales[c / group];
+    }
+  }
+  return values;
+}
+
+}  // namespace treeverify::worker
