@@ -529,10 +529,10 @@ absl::StatusOr<Checkpoint::Located> Checkpoint::LocateWithShape(
   }
   const DType dtype = tensor.info->dtype;
   if (dtype == DType::kI32 || dtype == DType::kI64 || dtype == DType::kF8E4M3) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        tensor.file->path(), ": tensor ", name, " is ", DTypeName(dtype),
-        "; weights must be BF16, F16 or F32, or a quantized format config.json's "
-        "quantization_config names"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(tensor.file->path(), ": tensor ", name, " is ", DTypeName(dtype),
+                     "; weights must be BF16, F16 or F32, or a quantized format config.json's "
+                     "quantization_config names"));
   }
   return tensor;
 }
