@@ -89,18 +89,6 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   return count;
 }
 
-int64_t DTypeBytes(worker::DType dtype) {
-  switch (dtype) {
-    case worker::DType::kF32:
-    case worker::DType::kI32:
-      return 4;
-    case worker::DType::kF16:
-    case worker::DType::kBF16:
-      return 2;
-  }
-  return 4;
-}
-
 const char* TorchDTypeName(worker::DType dtype) {
   switch (dtype) {
     case worker::DType::kF32:
@@ -111,6 +99,10 @@ const char* TorchDTypeName(worker::DType dtype) {
       return "bfloat16";
     case worker::DType::kI32:
       return "int32";
+    case worker::DType::kI64:
+      return "int64";
+    case worker::DType::kF8E4M3:
+      return "float8_e4m3fn";
   }
   return "bfloat16";
 }
@@ -545,7 +537,8 @@ absl::Status WriteCheckpoint(const std::string& dir, const CheckpointSpec& spec)
     bytes.reserve(tensors.size());
     int64_t total_bytes = 0;
     for (const PlannedTensor& tensor : tensors) {
-      bytes.push_back(NumElements(tensor.shape) * DTypeBytes(spec.weight_dtype));
+      bytes.push_back(NumElements(tensor.shape) *
+                      static_cast<int64_t>(worker::DTypeSize(spec.weight_dtype)));
       total_bytes += bytes.back();
     }
     const std::vector<int> shard_of = AssignShards(bytes, spec.num_shards);

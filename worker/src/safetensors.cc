@@ -615,8 +615,9 @@ absl::StatusOr<std::vector<float>> Checkpoint::ReadColumns(
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               DType dtype, const std::map<std::string, std::string>& metadata) {
-  if (dtype == DType::kI32) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": WriteSafetensors writes float dtypes"));
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": WriteSafetensors writes F32, F16 or BF16, not ", DTypeName(dtype)));
   }
   const size_t element_size = DTypeSize(dtype);
   Json header = Json::object();
