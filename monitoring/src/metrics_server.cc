@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,13 +24,14 @@ namespace {
 
 // How often the serving thread looks at the stop flag while no scrape comes.
 constexpr int kPollMilliseconds = 100;
-// A client that sends nothing for this long is dropped (one connection at a time).
-constexpr int kReceiveTimeoutSeconds = 2;
+// One connection at a time: a scrape gets this long in all to send its request and read the
+// answer, so that a slow or stuck client can hold the server (and its shutdown) no longer.
+constexpr int kConnectionSeconds = 5;
 constexpr size_t kMaxRequestBytes = 16384;
 
-void SendAll(int fd, const std::string& data) {
+void SendAll(int fd, const std::string& data, std::chrono::steady_clock::time_point deadline) {
   size_t sent = 0;
-  while (sent < data.size()) {
+  while (sent < data.size() && std::chrono::steady_clock::now() < deadline) {
     const ssize_t n = send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
     if (n <= 0) return;  // the scraper went away
     sent += static_cast<size_t>(n);
@@ -110,34 +113,46 @@ void MetricsServer::Serve() {
     pollfd waiting{.fd = listener_, .events = POLLIN, .revents = 0};
     if (poll(&waiting, 1, kPollMilliseconds) <= 0) continue;
     const int connection = accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
+    if (connection < 0) {
+      // Out of descriptors (or the like): the pending connection keeps poll() ready, so wait
+      // rather than spin.
+      std::this_thread::sleep_for(std::chrono::milliseconds(kPollMilliseconds));
+      continue;
+    }
     Answer(connection);
     close(connection);
   }
 }
 
 void MetricsServer::Answer(int connection) const {
-  timeval timeout{.tv_sec = kReceiveTimeoutSeconds, .tv_usec = 0};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kConnectionSeconds);
+  // Each recv() and send() waits at most a second, and the loops stop at the deadline or when
+  // the server stops.
+  timeval timeout{.tv_sec = 1, .tv_usec = 0};
   setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
   std::string request;
   char buffer[4096];
   while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
+    if (stopping_ || std::chrono::steady_clock::now() >= deadline) return;
     const ssize_t n = recv(connection, buffer, sizeof(buffer), 0);
-    if (n <= 0) return;
-    request.append(buffer, static_cast<size_t>(n));
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return;
+    if (n > 0) request.append(buffer, static_cast<size_t>(n));
   }
   // "GET /metrics HTTP/1.1" (a query string is ignored).
   const std::string line = request.substr(0, request.find("\r\n"));
   if (!absl::StartsWith(line, "GET ")) {
-    SendAll(connection, Response("405 Method Not Allowed", "text/plain", "GET only\n"));
+    SendAll(connection, Response("405 Method Not Allowed", "text/plain", "GET only\n"), deadline);
     return;
   }
   const std::string target = line.substr(4, line.find(' ', 4) - 4);
   if (target != "/metrics" && !absl::StartsWith(target, "/metrics?")) {
-    SendAll(connection, Response("404 Not Found", "text/plain", "metrics are at /metrics\n"));
+    SendAll(connection, Response("404 Not Found", "text/plain", "metrics are at /metrics\n"),
+            deadline);
     return;
   }
-  SendAll(connection, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", Scrape()));
+  SendAll(connection, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", Scrape()),
+          deadline);
 }
 
 }  // namespace treeverify::monitoring

@@ -212,12 +212,13 @@ absl::Status Run(SignalWaiter& signals) {
     return Fail(created.status(), "building the engine over the ranks");
   }
   engine = *std::move(created);
+  const coordinator::ModelInfo& info = engine->info();
+  // Before any call can reach the engine: a rank it loses from then on stays at 0.
+  for (int rank = 0; rank < info.world_size; ++rank) metrics.SetRankUp(rank, true);
   verifier.SetEngine(engine.get());
   server.SetServing(true);
-  const coordinator::ModelInfo& info = engine->info();
   monitoring::SetBuildInfo(*registry,
                            {.component = "coordinator", .backend = info.backend, .device = "cpu"});
-  for (int rank = 0; rank < info.world_size; ++rank) metrics.SetRankUp(rank, true);
   metrics.SetServing(true);
   std::fprintf(stderr,
                "%s: SERVING %s (%s, vocab %lld, %d %s rank(s), group epoch %lld, max context %lld, "

@@ -272,7 +272,9 @@ absl::Status Run(SignalWaiter& signals) {
   if (metrics_server != nullptr && backend == "cuda") {
     absl::StatusOr<std::unique_ptr<worker::NvmlSampler>> sampler = worker::NvmlSampler::Start(
         GpuOfRank(rank), absl::Seconds(1), [&metrics](const worker::NvmlSample& sample) {
-          metrics.SetGpuMemoryUtilization(sample.memory_utilization);
+          if (sample.memory_utilization) {
+            metrics.SetGpuMemoryUtilization(*sample.memory_utilization);
+          }
           if (sample.dram_bandwidth_utilization) {
             metrics.SetGpuDramUtilization(*sample.dram_bandwidth_utilization);
           }
@@ -308,7 +310,7 @@ int main(int argc, char** argv) {
       "treeverify-worker --rank R --world-size W --coordinator HOST:PORT --model DIR\n"
       "    [--listen ADDR] [--backend cpu|cuda] [--gpu N] [--kv-pages N] [--kv-page-size 64]\n"
       "    [--expert-sharding split|whole] [--collective-timeout-s 60] [--group-epoch 1]\n"
-      "    [--metrics-listen HOST:PORT]\n"
+      "    [--metrics-listen HOST:PORT] [--health-listen HOST:PORT]\n"
       "One tensor-parallel rank. Flags may be written with dashes or underscores.",
       treeverify::services::Run);
 }

@@ -232,7 +232,9 @@ class ManifestTest(unittest.TestCase):
                             self.assertEqual(ports[grpc["port"]].split("-")[0], "health", where)
                             self.assertEqual(int(given["health_listen"].rsplit(":", 1)[1]),
                                              grpc["port"], where)
-                            expected = liveness if probe != "readinessProbe" else readiness[binary]
+                            # Alive while the process runs; started and ready once it serves
+                            # (a rank: its model loaded; the coordinator: every rank joined).
+                            expected = liveness if probe == "livenessProbe" else readiness[binary]
                             self.assertEqual(grpc["service"], expected, f"{where}: {probe}")
 
     def test_references_resolve_and_images_are_set(self):
@@ -278,6 +280,27 @@ class ManifestTest(unittest.TestCase):
                         open(os.path.join(K8S, written)) as committed:
                     self.assertEqual(fresh.read(), committed.read(),
                                      f"{written}: run deploy/k8s/tools/generate_rank_patches.py")
+
+    def test_ranks_reach_the_coordinator_before_it_is_ready(self):
+        # The coordinator is ready only once every rank joined: the ranks must reach it through a
+        # Service that lists it before that (publishNotReadyAddresses), or the leader's own name.
+        for layout, objects in self.layouts.items():
+            services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+            for obj in objects:
+                for name, template in pod_templates(obj):
+                    for container in template["spec"]["containers"]:
+                        started = container_command(container)
+                        if not started or started[0] != "treeverify-worker":
+                            continue
+                        host = flags(started[1])["coordinator"].rsplit(":", 1)[0]
+                        if host == "$(LWS_LEADER_ADDRESS)":
+                            continue
+                        where = f"{layout}: {name}/{container['name']}: --coordinator {host}"
+                        self.assertIn(host, services, where)
+                        spec = services[host]["spec"]
+                        self.assertTrue(spec.get("publishNotReadyAddresses"), where)
+                        self.assertEqual(spec["selector"].get("app.kubernetes.io/component"),
+                                         "coordinator", where)
 
     def test_services_target_ports_that_exist(self):
         for layout, objects in self.layouts.items():
@@ -348,6 +371,11 @@ class CustomResourceTest(unittest.TestCase):
             self.assertTrue(template[part]["spec"]["containers"], part)
         kinds = {o["kind"] for o in self.layouts["multi-node"]}
         self.assertFalse(kinds & {"Deployment", "StatefulSet"}, "the group replaces them")
+        # The controller names the leader's headless Service (LWS_LEADER_ADDRESS) after the set
+        # and makes none if a Service of that name exists already.
+        services = {o["metadata"]["name"] for o in self.layouts["multi-node"]
+                    if o["kind"] == "Service"}
+        self.assertNotIn(group["metadata"]["name"], services)
         for layout in ("multi-node+blackwell",):
             group = next(o for o in self.layouts[layout] if o["kind"] == "LeaderWorkerSet")
             for part in ("leaderTemplate", "workerTemplate"):

@@ -238,9 +238,16 @@ TEST_F(PrometheusTest, ARealPrometheusSeesWhatTheClientsGot) {
   EXPECT_EQ(Value("sum(treeverify_requests_total{method=\"CreateSession\",code=\"OK\"})"), 4);
   EXPECT_EQ(Value("sum(treeverify_rank_up)"), 2);
   EXPECT_EQ(Value("treeverify_serving"), 1);
+  // Every rank ran every forward the coordinator sent (each target is scraped on its own
+  // schedule: wait for the ranks' last scrapes after the traffic).
+  const double forwards = Value("treeverify_batch_sequences_count");
+  EXPECT_GT(forwards, 0);
   for (const char* rank : {"0", "1"}) {
     SCOPED_TRACE(absl::StrCat("rank ", rank));
-    EXPECT_GT(Value(absl::StrCat("treeverify_forwards_total{rank=\"", rank, "\"}")), 0);
+    EXPECT_EQ(WaitFor(
+                  absl::StrCat("treeverify_forwards_total{rank=\"", rank, "\"}"),
+                  [&](double v) { return v == forwards; }, absl::Seconds(30)),
+              forwards);
     EXPECT_GT(Value(absl::StrCat("sum(treeverify_forward_dram_bytes_total{rank=\"", rank, "\"})")),
               0);
     EXPECT_GT(
@@ -254,7 +261,10 @@ TEST_F(PrometheusTest, ARealPrometheusSeesWhatTheClientsGot) {
       WaitFor(
           "treeverify:emitted_tokens:rate1m", [](double v) { return v > 0; }, absl::Seconds(20)),
       0);
-  EXPECT_EQ(Query("rank:treeverify_dram_utilization:rate1m").size(), 2u);
+  EXPECT_EQ(WaitFor(
+                "count(rank:treeverify_dram_utilization:rate1m)", [](double v) { return v == 2; },
+                absl::Seconds(20)),
+            2);
   EXPECT_GT(Value("treeverify:acceptance_rate:rate5m"), 0);
   const nlohmann::json rule_groups = nlohmann::json::parse(
       HttpGet(prometheus_address_, "/api/v1/rules").value_or("{}"), nullptr, false);

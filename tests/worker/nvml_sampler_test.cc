@@ -51,9 +51,10 @@ TEST(NvmlSamplerTest, SamplesShowCopyTraffic) {
   double busiest = 0, most_bandwidth = 0;
   int with_bandwidth = 0;
   for (const NvmlSample& s : samples) {
-    EXPECT_GE(s.memory_utilization, 0.0);
-    EXPECT_LE(s.memory_utilization, 1.0);
-    busiest = std::max(busiest, s.memory_utilization);
+    ASSERT_TRUE(s.memory_utilization.has_value());
+    EXPECT_GE(*s.memory_utilization, 0.0);
+    EXPECT_LE(*s.memory_utilization, 1.0);
+    busiest = std::max(busiest, *s.memory_utilization);
     if (s.dram_bandwidth_utilization) {
       ++with_bandwidth;
       EXPECT_GE(*s.dram_bandwidth_utilization, 0.0);

@@ -230,7 +230,10 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
                                        live < static_cast<int32_t>(plan.live_nsplit.size())
                                    ? plan.live_nsplit[live]
                                    : plan.nsplit;
-    account.attention_waves = plan.waves;
+    // The waves of the blocks the live sequences run (the grid is sized for the most splits).
+    account.attention_waves = plan.waves *
+                              (static_cast<double>(batch.sequences()) * account.attention_nsplit) /
+                              (static_cast<double>(plan.shape.num_seqs) * plan.nsplit);
   }
   account.launch = last_launch_;
   account.prefill = !prefill_chains_.empty();

@@ -125,9 +125,9 @@ struct NvmlSampler::State {
     }
   }
 
+  // `gpm` is settled before the thread starts (with the first GPM sample in samples[0]).
   void Run() {
     int current = 0;  // the GPM sample taken last
-    if (gpm && nvml->gpm_sample_get(device, samples[current]) != kNvmlSuccess) gpm = false;
     while (!stop.WaitForNotificationWithTimeout(period)) {
       NvmlSample sample;
       NvmlUtilization utilization{};
@@ -180,7 +180,8 @@ absl::StatusOr<std::unique_ptr<NvmlSampler>> NvmlSampler::Start(
     state.gpm = state.nvml->gpm_query_support(state.device, &support) == kNvmlSuccess &&
                 support.is_supported_device != 0 &&
                 state.nvml->gpm_sample_alloc(&state.samples[0]) == kNvmlSuccess &&
-                state.nvml->gpm_sample_alloc(&state.samples[1]) == kNvmlSuccess;
+                state.nvml->gpm_sample_alloc(&state.samples[1]) == kNvmlSuccess &&
+                state.nvml->gpm_sample_get(state.device, state.samples[0]) == kNvmlSuccess;
   }
   state.thread = std::thread([&state] { state.Run(); });
   return sampler;

@@ -70,7 +70,7 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
                       name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   if (checkpoint_.Has(name)) {
     TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint_.Info(name));
-    if (info.dtype == DType::kF8E4M3 && linear) {
+    if (info.dtype == DType::kF8E4M3 && linear && shape.size() == 2) {
       if (quantization_.method != WeightQuantization::Method::kFp8Block) {
         return absl::InvalidArgumentError(absl::StrCat(
             name, " is F8_E4M3, but config.json's quantization_config does not say fp8"));

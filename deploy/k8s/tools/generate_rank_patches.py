@@ -59,7 +59,7 @@ def main(out):
     coordinator = load("coordinator.yaml")[0]["spec"]["template"]["spec"]["containers"][0]
     files = {}
 
-    ranks = [rank_container(worker, i, str(i), "treeverify:50051", False)
+    ranks = [rank_container(worker, i, str(i), "treeverify-rendezvous:50051", False)
              for i in range(RANKS_PER_POD)]
     files["overlays/single-node-tp8/ranks.yaml"] = (
         "# The eight rank containers of the one worker pod (deploy/k8s/tools/"
@@ -89,7 +89,10 @@ def main(out):
     group = {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
         "kind": "LeaderWorkerSet",
-        "metadata": {"name": "treeverify", "labels": {"app.kubernetes.io/name": "treeverify"}},
+        # Not "treeverify": the controller makes a headless Service named after the set (the
+        # leader's DNS name, LWS_LEADER_ADDRESS), and skips it if a Service of that name exists.
+        "metadata": {"name": "treeverify-group",
+                     "labels": {"app.kubernetes.io/name": "treeverify"}},
         "spec": {
             "replicas": 1,
             "startupPolicy": "LeaderCreated",

@@ -30,7 +30,9 @@ class MetricsServer {
   // without a port, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& address, std::shared_ptr<prometheus::Registry> registry);
-  ~MetricsServer();  // stops serving: within the poll interval, after a scrape in progress
+  // Stops serving: within the poll interval, or a second into a scrape in progress (each
+  // connection gets at most 5 s).
+  ~MetricsServer();
 
   // host:port as bound (the port picked when asked for 0).
   const std::string& address() const { return address_; }

@@ -7,7 +7,8 @@
 //
 //   TV_ASSIGN_OR_RETURN(std::unique_ptr<NvmlSampler> nvml,
 //                       NvmlSampler::Start(device_ordinal, absl::Seconds(1), [&](NvmlSample s) {
-//                         metrics.SetGpuMemoryUtilization(s.memory_utilization);
+//                         if (s.memory_utilization)
+//                         metrics.SetGpuMemoryUtilization(*s.memory_utilization);
 //                       }));
 #pragma once
 
@@ -21,7 +22,7 @@
 namespace treeverify::worker {
 
 struct NvmlSample {
-  double memory_utilization = 0;                     // 0..1
+  std::optional<double> memory_utilization;          // 0..1; absent when NVML did not answer
   std::optional<double> dram_bandwidth_utilization;  // 0..1; absent without GPM
 };
 
