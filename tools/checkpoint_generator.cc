@@ -1,6 +1,8 @@
 #include "treeverify/tools/checkpoint_generator.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -9,6 +11,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
@@ -190,6 +193,38 @@ absl::StatusOr<std::string> ConfigJson(const CheckpointSpec& spec) {
       {"use_cache", true},
   };
   config["q_lora_rank"] = spec.q_lora_rank.has_value() ? json(*spec.q_lora_rank) : json(nullptr);
+  using Method = worker::WeightQuantization::Method;
+  if (spec.quantization.method == Method::kFp8Block) {
+    config["quantization_config"] = {
+        {"activation_scheme", "dynamic"},
+        {"fmt", "e4m3"},
+        {"quant_method", "fp8"},
+        {"weight_block_size", {spec.quantization.block_rows, spec.quantization.block_cols}}};
+  } else if (spec.quantization.method == Method::kInt4Group) {
+    config["quantization_config"] = {{"config_groups",
+                                      {{"group_0",
+                                        {{"input_activations", nullptr},
+                                         {"output_activations", nullptr},
+                                         {"targets", {"Linear"}},
+                                         {"weights",
+                                          {{"actorder", nullptr},
+                                           {"block_structure", nullptr},
+                                           {"dynamic", false},
+                                           {"group_size", spec.quantization.group_size},
+                                           {"num_bits", 4},
+                                           {"observer", "minmax"},
+                                           {"observer_kwargs", json::object()},
+                                           {"strategy", "group"},
+                                           {"symmetric", true},
+                                           {"type", "int"}}}}}}},
+                                     {"format", "pack-quantized"},
+                                     {"ignore",
+                                      {"lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"}},
+                                     {"kv_cache_scheme", nullptr},
+                                     {"quant_method", "compressed-tensors"},
+                                     {"quantization_status", "compressed"}};
+  }
   if (spec.eos_token_id.size() == 1) {
     config["eos_token_id"] = spec.eos_token_id[0];
   } else if (!spec.eos_token_id.empty()) {
@@ -510,6 +545,98 @@ absl::StatusOr<CheckpointSpec> PresetSpec(absl::string_view name) {
                       absl::StrJoin(PresetNames(), ", ")));
 }
 
+// Whether the spec's format stores this tensor quantized, as the releases do: FP8 every layer's
+// projections, INT4 the routed experts' only.
+bool Quantized(const CheckpointSpec& spec, const PlannedTensor& tensor) {
+  using Method = worker::WeightQuantization::Method;
+  const std::string& name = tensor.name;
+  const bool projection =
+      tensor.shape.size() == 2 && absl::StartsWith(name, "model.layers.") &&
+      absl::EndsWith(name, ".weight") &&
+      (absl::StrContains(name, "_proj.") || absl::StrContains(name, "kv_a_proj_with_mqa."));
+  if (spec.quantization.method == Method::kFp8Block) return projection;
+  if (spec.quantization.method == Method::kInt4Group) {
+    return projection && absl::StrContains(name, ".mlp.experts.");
+  }
+  return false;
+}
+
+template <typename T>
+std::string AsBytes(const std::vector<T>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+// A tensor as it is stored: plain, or the parts of its quantized layout.
+std::vector<worker::TensorToWrite> Encode(const CheckpointSpec& spec, const PlannedTensor& tensor,
+                                          std::vector<float> values) {
+  if (!Quantized(spec, tensor)) return {{tensor.name, tensor.shape, std::move(values)}};
+  const int64_t out = tensor.shape[0], in = tensor.shape[1];
+  const std::string prefix = tensor.name.substr(0, tensor.name.size() - std::strlen(".weight"));
+  using Method = worker::WeightQuantization::Method;
+  if (spec.quantization.method == Method::kFp8Block) {
+    // Each block's scale maps its largest magnitude to e4m3's largest finite value (448).
+    const int64_t br = spec.quantization.block_rows, bc = spec.quantization.block_cols;
+    const int64_t block_rows = (out + br - 1) / br, block_cols = (in + bc - 1) / bc;
+    std::vector<float> scales(block_rows * block_cols, 0.f);
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t c = 0; c < in; ++c) {
+        float& s = scales[(r / br) * block_cols + c / bc];
+        s = std::max(s, std::fabs(values[r * in + c]));
+      }
+    }
+    for (float& s : scales) s = s > 0.f ? s / 448.f : 1.f;
+    std::vector<uint8_t> codes(out * in);
+    for (int64_t r = 0; r < out; ++r) {
+      for (int64_t c = 0; c < in; ++c) {
+        codes[r * in + c] =
+            worker::FloatToFp8E4M3(values[r * in + c] / scales[(r / br) * block_cols + c / bc]);
+      }
+    }
+    return {
+        {tensor.name, tensor.shape, {}, worker::DType::kF8E4M3, AsBytes(codes)},
+        {tensor.name + "_scale_inv", {block_rows, block_cols}, scales, worker::DType::kF32, ""}};
+  }
+  // INT4: each group's scale (bf16) maps its largest magnitude to 7; values round to [-8, 7].
+  const int64_t group = spec.quantization.group_size;
+  const int64_t groups = (in + group - 1) / group, words = (in + 7) / 8;
+  std::vector<float> scales(out * groups);
+  std::vector<int32_t> packed(out * words, 0);
+  for (int64_t r = 0; r < out; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float largest = 0.f;
+      for (int64_t c = g * group; c < std::min(in, (g + 1) * group); ++c) {
+        largest = std::max(largest, std::fabs(values[r * in + c]));
+      }
+      const float scale =
+          worker::Bf16ToFloat(worker::FloatToBf16(largest > 0.f ? largest / 7.f : 1.f));
+      scales[r * groups + g] = scale;
+      for (int64_t c = g * group; c < std::min(in, (g + 1) * group); ++c) {
+        const int q =
+            static_cast<int>(std::clamp(std::nearbyint(values[r * in + c] / scale), -8.0f, 7.0f));
+        uint32_t word = static_cast<uint32_t>(packed[r * words + c / 8]);
+        word |= static_cast<uint32_t>(q + 8) << (4 * (c % 8));
+        packed[r * words + c / 8] = static_cast<int32_t>(word);
+      }
+    }
+  }
+  return {{prefix + ".weight_packed", {out, words}, {}, worker::DType::kI32, AsBytes(packed)},
+          {prefix + ".weight_scale", {out, groups}, scales, worker::DType::kBF16, ""},
+          {prefix + ".weight_shape",
+           {2},
+           {},
+           worker::DType::kI64,
+           AsBytes(std::vector<int64_t>{out, in})}};
+}
+
+// Bytes a tensor takes as stored (for balancing shards).
+int64_t StoredBytes(const CheckpointSpec& spec, const PlannedTensor& tensor) {
+  const int64_t count = NumElements(tensor.shape);
+  if (!Quantized(spec, tensor))
+    return count * static_cast<int64_t>(worker::DTypeSize(spec.weight_dtype));
+  return spec.quantization.method == worker::WeightQuantization::Method::kFp8Block ? count
+                                                                                   : count / 2;
+}
+
 absl::Status WriteCheckpoint(const std::string& dir, const CheckpointSpec& spec) {
   // Everything is checked before anything is written.
   TV_ASSIGN_OR_RETURN(std::string config_text, ConfigJson(spec));
@@ -528,7 +655,9 @@ absl::Status WriteCheckpoint(const std::string& dir, const CheckpointSpec& spec)
     std::vector<worker::TensorToWrite> to_write;
     to_write.reserve(tensors.size());
     for (const PlannedTensor& tensor : tensors) {
-      to_write.push_back({tensor.name, tensor.shape, GenerateValues(spec, tensor)});
+      for (worker::TensorToWrite& part : Encode(spec, tensor, GenerateValues(spec, tensor))) {
+        to_write.push_back(std::move(part));
+      }
     }
     TV_RETURN_IF_ERROR(worker::WriteSafetensors((root / kSingleFile).string(), to_write,
                                                 spec.weight_dtype, metadata));
@@ -537,8 +666,7 @@ absl::Status WriteCheckpoint(const std::string& dir, const CheckpointSpec& spec)
     bytes.reserve(tensors.size());
     int64_t total_bytes = 0;
     for (const PlannedTensor& tensor : tensors) {
-      bytes.push_back(NumElements(tensor.shape) *
-                      static_cast<int64_t>(worker::DTypeSize(spec.weight_dtype)));
+      bytes.push_back(StoredBytes(spec, tensor));
       total_bytes += bytes.back();
     }
     const std::vector<int> shard_of = AssignShards(bytes, spec.num_shards);
@@ -549,8 +677,11 @@ absl::Status WriteCheckpoint(const std::string& dir, const CheckpointSpec& spec)
       std::vector<worker::TensorToWrite> to_write;
       for (size_t i = 0; i < tensors.size(); ++i) {
         if (shard_of[i] != shard) continue;
-        to_write.push_back({tensors[i].name, tensors[i].shape, GenerateValues(spec, tensors[i])});
-        weight_map[tensors[i].name] = file_name;
+        for (worker::TensorToWrite& part :
+             Encode(spec, tensors[i], GenerateValues(spec, tensors[i]))) {
+          weight_map[part.name] = file_name;
+          to_write.push_back(std::move(part));
+        }
       }
       TV_RETURN_IF_ERROR(worker::WriteSafetensors((root / file_name).string(), to_write,
                                                   spec.weight_dtype, metadata));

@@ -16,12 +16,15 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "treeverify/coordinator/token_selector.h"
 #include "treeverify/kernels/gemm.h"
 #include "treeverify/kernels/philox.h"
 #include "treeverify/kernels/rms_norm.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
+#include "treeverify/worker/quantized_weights.h"
+#include "treeverify/worker/safetensors.h"
 #include "treeverify/worker/segment_tree.h"
 #include "treeverify/worker/step_accounting.h"
 
@@ -474,6 +477,90 @@ TEST(ModelRunnerTest, CpuStepsAreAccounted) {
       EXPECT_GT(account->active_experts[l], 0) << "layer " << l;
       EXPECT_LE(account->active_experts[l], model->rank(r).plan().experts.size());
     }
+  }
+}
+
+// The same weights written dequantized, as F32 (every tensor of a quantized checkpoint read through
+// WeightReader), beside a config without its quantization_config.
+void WriteDequantized(const std::string& quantized_dir, const std::string& float_dir) {
+  auto file = SafetensorsFile::Open(quantized_dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto checkpoint = Checkpoint::Open(quantized_dir);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  auto config = ModelConfig::FromFile(quantized_dir + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const WeightReader reader(**checkpoint, config->quantization);
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, info] : (*file)->tensors()) {
+    std::string weight = name;
+    std::vector<int64_t> shape = info.shape;
+    const std::string packed = ".weight_packed";
+    if (name.ends_with("_scale_inv") || name.ends_with(".weight_scale") ||
+        name.ends_with(".weight_shape")) {
+      continue;
+    }
+    if (name.ends_with(packed)) {
+      weight = name.substr(0, name.size() - packed.size()) + ".weight";
+      shape = {info.shape[0], info.shape[1] * 8};  // the test models' rows are whole words
+    }
+    auto values = reader.Read(weight, shape);
+    ASSERT_TRUE(values.ok()) << weight << ": " << values.status();
+    tensors.push_back({weight, shape, *values});
+  }
+  int quantized = 0;
+  for (const auto& [name, info] : (*file)->tensors()) {
+    quantized += name.ends_with("_scale_inv") || name.ends_with(".weight_packed") ? 1 : 0;
+  }
+  ASSERT_GT(quantized, 0) << "the generator wrote no quantized tensor";
+  std::filesystem::create_directories(float_dir);
+  ASSERT_TRUE(WriteSafetensors(float_dir + "/model.safetensors", tensors, DType::kF32).ok());
+  std::ifstream in(quantized_dir + "/config.json");
+  nlohmann::json json = nlohmann::json::parse(in);
+  json.erase("quantization_config");
+  std::ofstream(float_dir + "/config.json") << json.dump(2);
+}
+
+// A checkpoint in a published quantized layout (FP8 blocks for every projection, INT4 groups for
+// the routed experts) runs as the float weights it stands for: its forward equals, bit for bit,
+// the forward on those weights written out dequantized. A tensor-parallel split that cuts a
+// quantization block is refused, naming it.
+TEST(ModelRunnerTest, QuantizedCheckpointsRunAsTheirDequantizedWeights) {
+  using Method = WeightQuantization::Method;
+  for (Method method : {Method::kFp8Block, Method::kInt4Group}) {
+    const std::string name = method == Method::kFp8Block ? "fp8" : "int4";
+    SCOPED_TRACE(name);
+    auto spec = tools::PresetSpec("tiny-kimi");
+    ASSERT_TRUE(spec.ok());
+    spec->quantization.method = method;
+    const std::string base =
+        testing::TempDir() + "/model_runner_test_quantized_" + std::to_string(::getpid());
+    const std::string quantized_dir = base + "_" + name, float_dir = base + "_" + name + "_f32";
+    ASSERT_TRUE(tools::WriteCheckpoint(quantized_dir, *spec).ok());
+    WriteDequantized(quantized_dir, float_dir);
+    auto quantized = LocalModel::Create(quantized_dir, {});
+    ASSERT_TRUE(quantized.ok()) << quantized.status();
+    auto dequantized = LocalModel::Create(float_dir, {});
+    ASSERT_TRUE(dequantized.ok()) << dequantized.status();
+    EXPECT_EQ((*quantized)->config().quantization.method, method);
+    std::mt19937 rng(41);
+    const std::vector<int32_t> tokens =
+        RandomTokens(12, static_cast<int>((*quantized)->config().vocab_size), rng);
+    const SegmentInput segment{
+        .sequence_id = 1, .token_ids = tokens, .parents = SegmentTree::ChainParents(12)};
+    const LocalSegmentResult a = ForwardOne(**quantized, segment, /*logits=*/true);
+    const LocalSegmentResult b = ForwardOne(**dequantized, segment, /*logits=*/true);
+    ASSERT_TRUE(a.status.ok()) << a.status;
+    ASSERT_FALSE(a.logits.empty());
+    EXPECT_EQ(a.logits, b.logits);
+    if (method == Method::kFp8Block) {
+      // tiny-kimi's dimensions are under one 128 x 128 block: two ranks would cut them.
+      auto split = LocalModel::Create(quantized_dir, {.world_size = 2});
+      ASSERT_FALSE(split.ok());
+      EXPECT_THAT(std::string(split.status().message()),
+                  testing::HasSubstr("cuts a quantization block"));
+    }
+    std::filesystem::remove_all(quantized_dir);
+    std::filesystem::remove_all(float_dir);
   }
 }
 

@@ -615,11 +615,11 @@ absl::StatusOr<std::vector<float>> Checkpoint::ReadColumns(
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               DType dtype, const std::map<std::string, std::string>& metadata) {
-  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": WriteSafetensors writes F32, F16 or BF16, not ", DTypeName(dtype)));
+  auto is_float = [](DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; };
+  if (!is_float(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": WriteSafetensors converts to F32, F16 or BF16, not ", DTypeName(dtype)));
   }
-  const size_t element_size = DTypeSize(dtype);
   Json header = Json::object();
   if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
   std::set<std::string> names;
@@ -631,14 +631,18 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
     }
     TV_ASSIGN_OR_RETURN(uint64_t numel, CountElements(path, tensor.name, tensor.shape,
                                                       std::numeric_limits<uint64_t>::max() / 8));
-    if (numel != tensor.values.size()) {
-      return TensorError(
-          path, tensor.name,
-          absl::StrCat("shape ", ShapeString(tensor.shape), " has ", numel, " elements, but ",
-                       tensor.values.size(), " values were given"));
+    const DType stored = tensor.dtype.value_or(dtype);
+    const bool raw = !tensor.raw.empty() || (tensor.dtype.has_value() && !is_float(stored));
+    if (raw ? tensor.raw.size() != numel * DTypeSize(stored) : numel != tensor.values.size()) {
+      return TensorError(path, tensor.name,
+                         absl::StrCat("shape ", ShapeString(tensor.shape), " has ", numel,
+                                      " elements of ", DTypeName(stored), ", but ",
+                                      raw ? absl::StrCat(tensor.raw.size(), " bytes")
+                                          : absl::StrCat(tensor.values.size(), " values"),
+                                      " were given"));
     }
-    const uint64_t bytes = numel * element_size;
-    header[tensor.name] = {{"dtype", DTypeName(dtype)},
+    const uint64_t bytes = numel * DTypeSize(stored);
+    header[tensor.name] = {{"dtype", DTypeName(stored)},
                            {"shape", tensor.shape},
                            {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -661,14 +665,19 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
   std::vector<uint16_t> halves;
   for (const TensorToWrite& tensor : tensors) {
     if (!ok) break;
+    if (!tensor.raw.empty()) {
+      ok = std::fwrite(tensor.raw.data(), 1, tensor.raw.size(), file) == tensor.raw.size();
+      continue;
+    }
     const std::vector<float>& values = tensor.values;
-    if (dtype == DType::kF32) {
+    const DType stored = tensor.dtype.value_or(dtype);
+    if (stored == DType::kF32) {
       ok = std::fwrite(values.data(), sizeof(float), values.size(), file) == values.size();
       continue;
     }
     halves.resize(values.size());
     for (size_t i = 0; i < values.size(); ++i) {
-      halves[i] = dtype == DType::kBF16 ? FloatToBf16(values[i]) : FloatToF16(values[i]);
+      halves[i] = stored == DType::kBF16 ? FloatToBf16(values[i]) : FloatToF16(values[i]);
     }
     ok = std::fwrite(halves.data(), sizeof(uint16_t), halves.size(), file) == halves.size();
   }

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "treeverify/worker/safetensors.h"
+#include "treeverify/worker/weight_quantization.h"
 
 namespace treeverify::tools {
 
@@ -87,6 +88,11 @@ struct CheckpointSpec {
   // Every tensor is stored in this dtype, e_score_correction_bias included (official checkpoints
   // keep that one in f32; WriteSafetensors writes one dtype per file).
   worker::DType weight_dtype = worker::DType::kBF16;
+  // Linear weights in a published quantized layout (quantized_weights.h), as their releases
+  // quantize them: FP8 blocks for every layer's projections (DeepSeek-V3), INT4 groups for the
+  // routed experts only (Kimi-K2-Thinking); config.json says so in quantization_config. The
+  // values are the float ones above, quantized (block or group scales from their max magnitude).
+  worker::WeightQuantization quantization;
   // 1: model.safetensors. N > 1: model-0000i-of-0000N.safetensors + model.safetensors.index.json,
   // the tensors in name order split into N contiguous runs of about equal bytes (so a layer's
   // tensors are mostly in one shard, as in official checkpoints).

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -94,11 +95,15 @@ class Checkpoint {
 };
 
 // Writes tensors to one safetensors file. Data is given as fp32 and stored in `dtype` (bf16 by
-// round-to-nearest-even). Used by the checkpoint generator and by tests.
+// round-to-nearest-even), or, for a tensor with its own `dtype` and `raw` bytes (the parts of a
+// quantized weight: F8_E4M3 codes, packed I32 words, an I64 shape), stored as given. Used by the
+// checkpoint generator and by tests.
 struct TensorToWrite {
   std::string name;
   std::vector<int64_t> shape;
   std::vector<float> values;
+  std::optional<DType> dtype;  // this tensor's, instead of the file's
+  std::string raw;             // with `dtype`: the stored bytes (values then unused)
 };
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               DType dtype, const std::map<std::string, std::string>& metadata = {});
