@@ -35,31 +35,19 @@ trap 'exit 130' INT TERM
 
 [ -f "$model_dir/config.json" ] || "$cli" make-checkpoint --out "$model_dir" --preset demo --seed 7
 
-# Reads "... listening on HOST:PORT" from a process's log (ports are picked by the kernel).
-wait_for_address() {
-  local log=$1
+# Prints the last word of the first line of a process's log containing MARKER, waiting for it:
+# "... listening on HOST:PORT" and "... metrics on http://HOST:PORT/metrics" (ports are picked
+# by the kernel).
+logged_address() {
+  local log=$1 marker=$2
   for _ in $(seq 1 600); do
-    if grep -q "listening on" "$log" 2>/dev/null; then
-      grep -m1 "listening on" "$log" | awk '{print $NF}'
+    if grep -q "$marker" "$log" 2>/dev/null; then
+      grep -m1 "$marker" "$log" | awk '{print $NF}'
       return 0
     fi
     sleep 0.1
   done
-  echo "no address in $log" >&2
-  return 1
-}
-
-# Reads "... metrics on http://HOST:PORT/metrics" from a process's log.
-metrics_address() {
-  local log=$1
-  for _ in $(seq 1 600); do
-    if grep -q "metrics on" "$log" 2>/dev/null; then
-      grep -m1 "metrics on" "$log" | awk '{print $NF}'
-      return 0
-    fi
-    sleep 0.1
-  done
-  echo "no metrics address in $log" >&2
+  echo "no '$marker' address in $log" >&2
   return 1
 }
 
@@ -79,7 +67,7 @@ http_get() {
 setsid "$build_dir/services/treeverify-coordinator" --listen 127.0.0.1:0 --world-size 2 \
   --model-name demo --metrics-listen 127.0.0.1:0 >"$run_dir/coordinator.log" 2>&1 &
 pids+=($!)
-coordinator=$(wait_for_address "$run_dir/coordinator.log")
+coordinator=$(logged_address "$run_dir/coordinator.log" "listening on")
 # Two worker processes share this machine's cores: one OpenMP thread each, and no spinning.
 for rank in 0 1; do
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OMP_WAIT_POLICY=PASSIVE \
@@ -102,10 +90,10 @@ for drafter in none ngram noisy-oracle; do
 done
 echo
 echo "coordinator: $coordinator (gRPC Verifier API, health, reflection)."
-coordinator_metrics=$(metrics_address "$run_dir/coordinator.log")
+coordinator_metrics=$(logged_address "$run_dir/coordinator.log" "metrics on")
 echo "metrics: $coordinator_metrics (coordinator)"
 for rank in 0 1; do
-  echo "metrics: $(metrics_address "$run_dir/worker$rank.log") (worker rank $rank)"
+  echo "metrics: $(logged_address "$run_dir/worker$rank.log" "metrics on") (worker rank $rank)"
 done
 echo
 echo "== from the coordinator's /metrics (monitoring/README.md lists every series):"
