@@ -18,10 +18,12 @@
 #include "absl/time/time.h"
 #include "prometheus/registry.h"
 #include "treeverify/coordinator/verify_engine.h"
+#include "treeverify/kernels/status.h"
 #include "treeverify/monitoring/metrics.h"
 #include "treeverify/monitoring/metrics_server.h"
 #include "treeverify/services/engine_metrics.h"
 #include "treeverify/services/grpc_rank_client.h"
+#include "treeverify/services/metrics_endpoint.h"
 #include "treeverify/services/process_main.h"
 #include "treeverify/services/rendezvous_service.h"
 #include "treeverify/services/server_bootstrap.h"
@@ -104,15 +106,9 @@ absl::Status Run(SignalWaiter& signals) {
   monitoring::CoordinatorMetrics metrics(*registry);
   EngineMetrics engine_metrics(metrics);
   metrics.SetServing(false);
-  std::unique_ptr<monitoring::MetricsServer> metrics_server;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    absl::StatusOr<std::unique_ptr<monitoring::MetricsServer>> started_metrics =
-        monitoring::MetricsServer::Start(address, registry);
-    if (!started_metrics.ok()) return Fail(started_metrics.status(), "--metrics-listen");
-    metrics_server = *std::move(started_metrics);
-    std::printf("%s metrics on http://%s/metrics\n", kProgram, metrics_server->address().c_str());
-    std::fflush(stdout);
-  }
+  TV_ASSIGN_OR_RETURN(
+      std::unique_ptr<monitoring::MetricsServer> metrics_server,
+      StartMetricsEndpoint(kProgram, absl::GetFlag(FLAGS_metrics_listen), registry));
   engine_options->observer = &engine_metrics;
 
   RendezvousService rendezvous(rendezvous_options, [](const JoinedRank& joined) {

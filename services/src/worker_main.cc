@@ -17,10 +17,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "prometheus/registry.h"
+#include "treeverify/kernels/status.h"
 #include "treeverify/monitoring/metrics.h"
 #include "treeverify/monitoring/metrics_server.h"
 #include "treeverify/services/client_channel.h"
 #include "treeverify/services/grpc_rendezvous_store.h"
+#include "treeverify/services/metrics_endpoint.h"
 #include "treeverify/services/process_main.h"
 #include "treeverify/services/server_bootstrap.h"
 #include "treeverify/services/signal_waiter.h"
@@ -216,16 +218,8 @@ absl::Status Run(SignalWaiter& signals) {
   monitoring::SetBuildInfo(
       *registry, {.component = "worker", .backend = backend, .device = DeviceName(backend, rank)});
   monitoring::WorkerMetrics metrics(*registry, rank);
-  std::unique_ptr<monitoring::MetricsServer> metrics_server;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    absl::StatusOr<std::unique_ptr<monitoring::MetricsServer>> started_metrics =
-        monitoring::MetricsServer::Start(address, registry);
-    if (!started_metrics.ok()) return Context(started_metrics.status(), "--metrics-listen");
-    metrics_server = *std::move(started_metrics);
-    std::printf("%s metrics on http://%s/metrics\n", program.c_str(),
-                metrics_server->address().c_str());
-    std::fflush(stdout);
-  }
+  TV_ASSIGN_OR_RETURN(std::unique_ptr<monitoring::MetricsServer> metrics_server,
+                      StartMetricsEndpoint(program, absl::GetFlag(FLAGS_metrics_listen), registry));
 
   // The server first: the rank must know its port to announce it.
   WorkerService service({.group_epoch = group_epoch, .backend = backend, .metrics = &metrics});
