@@ -4,15 +4,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "treeverify/kernels/status.h"
 
 namespace treeverify::worker {
 namespace {
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -25,17 +20,6 @@ absl::Status CheckAligned(const std::string& name, const char* what, int64_t beg
       name, ": the tensor-parallel split takes ", what, " [", begin, ", ", end, ") of ", size,
       ", which cuts a quantization ", unit, " of ", block,
       ": choose a world size (or expert sharding) whose slices are multiples of ", block));
-}
-
-// A whole float tensor (scales) of the expected shape.
-absl::StatusOr<std::vector<float>> ReadScales(const Checkpoint& checkpoint, const std::string& name,
-                                              const std::vector<int64_t>& expected) {
-  TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint.Info(name));
-  if (info.shape != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", ShapeText(info.shape),
-                                                   ", expected ", ShapeText(expected)));
-  }
-  return checkpoint.Read(name, expected);
 }
 
 }  // namespace
@@ -77,7 +61,7 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
       }
       if (r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 || c1 > shape[1]) {
         return absl::InvalidArgumentError(
-            absl::StrCat(name, ": the slice is outside ", ShapeText(shape)));
+            absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
       }
       return Fp8(name, info, shape, r0, r1, c0, c1);
     }
@@ -93,7 +77,7 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
       if (shape.size() != 2 || r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 ||
           c1 > shape[1]) {
         return absl::InvalidArgumentError(
-            absl::StrCat(name, ": the slice is outside ", ShapeText(shape)));
+            absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
       }
       return Int4(prefix, shape, r0, r1, c0, c1);
     }
@@ -108,15 +92,15 @@ absl::StatusOr<std::vector<float>> WeightReader::Fp8(const std::string& name,
                                                      const std::vector<int64_t>& shape, int64_t r0,
                                                      int64_t r1, int64_t c0, int64_t c1) const {
   if (info.shape != shape) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " has shape ", ShapeText(info.shape), ", expected ", ShapeText(shape)));
+    return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", ShapeString(info.shape),
+                                                   ", expected ", ShapeString(shape)));
   }
   const int64_t out = shape[0], in = shape[1];
   const int64_t br = quantization_.block_rows, bc = quantization_.block_cols;
   TV_RETURN_IF_ERROR(CheckAligned(name, "rows", r0, r1, out, br, "block"));
   TV_RETURN_IF_ERROR(CheckAligned(name, "columns", c0, c1, in, bc, "block"));
-  TV_ASSIGN_OR_RETURN(std::vector<float> scales, ReadScales(checkpoint_, name + "_scale_inv",
-                                                            {CeilDiv(out, br), CeilDiv(in, bc)}));
+  TV_ASSIGN_OR_RETURN(std::vector<float> scales,
+                      checkpoint_.Read(name + "_scale_inv", {CeilDiv(out, br), CeilDiv(in, bc)}));
   TV_ASSIGN_OR_RETURN(const uint8_t* bytes, checkpoint_.RawData(name));
   const int64_t scale_cols = CeilDiv(in, bc);
   std::vector<float> values(static_cast<size_t>((r1 - r0) * (c1 - c0)));
@@ -156,20 +140,20 @@ absl::StatusOr<std::vector<float>> WeightReader::Int4(const std::string& prefix,
     }
   }
   if (recorded != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(shape_name, " says ", ShapeText(recorded),
-                                                   ", but the model expects ", ShapeText(shape)));
+    return absl::InvalidArgumentError(absl::StrCat(shape_name, " says ", ShapeString(recorded),
+                                                   ", but the model expects ", ShapeString(shape)));
   }
   const std::string packed_name = prefix + ".weight_packed";
   TV_ASSIGN_OR_RETURN(TensorInfo packed_info, checkpoint_.Info(packed_name));
   const std::vector<int64_t> packed_shape = {out, CeilDiv(in, 8)};
   if (packed_info.dtype != DType::kI32 || packed_info.shape != packed_shape) {
     return absl::InvalidArgumentError(absl::StrCat(packed_name, " must be I32 of shape ",
-                                                   ShapeText(packed_shape), ", got ",
-                                                   ShapeText(packed_info.shape)));
+                                                   ShapeString(packed_shape), ", got ",
+                                                   ShapeString(packed_info.shape)));
   }
   TV_RETURN_IF_ERROR(CheckAligned(prefix + ".weight", "columns", c0, c1, in, group, "group"));
   TV_ASSIGN_OR_RETURN(std::vector<float> scales,
-                      ReadScales(checkpoint_, prefix + ".weight_scale", {out, CeilDiv(in, group)}));
+                      checkpoint_.Read(prefix + ".weight_scale", {out, CeilDiv(in, group)}));
   TV_ASSIGN_OR_RETURN(const uint8_t* packed, checkpoint_.RawData(packed_name));
   const int64_t words = packed_shape[1];
   const int64_t groups = CeilDiv(in, group);

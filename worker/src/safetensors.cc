@@ -55,10 +55,6 @@ const char* DTypeName(DType dtype) {
   return "?";
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 // A short rendering of a JSON value for error messages (headers can be huge).
 std::string Quote(const Json& value) {
   // Containers are named, not dumped: dump() recurses, and a hostile file can nest deeply.
@@ -260,6 +256,10 @@ bool IsPlainFileName(const std::string& name) {
 
 // ---------------------------------------------------------------------------------------------
 // Conversions
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {

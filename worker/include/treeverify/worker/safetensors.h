@@ -28,6 +28,8 @@ namespace treeverify::worker {
 // quantized weight (quantized_weights.h). kF8E4M3 is FP8 e4m3fn (DeepSeek-V3's weights).
 enum class DType { kF32, kF16, kBF16, kI32, kI64, kF8E4M3 };
 size_t DTypeSize(DType dtype);
+// "[2, 3]", for error messages.
+std::string ShapeString(const std::vector<int64_t>& shape);
 
 struct TensorInfo {
   DType dtype = DType::kF32;
