@@ -1,5 +1,5 @@
 // One tensor-parallel rank of Kimi-K2 under TP8, verifying a draft tree: the whole GPU forward
-// (CudaForward, eager launches) on random bf16 weights, phase by phase against the bytes each
+// (CudaForward, CUDA graph replay) on random bf16 weights, phase by phase against the bytes each
 // phase must move (step_accounting.h), on one GPU.
 //
 // Shapes of one TP8 rank: hidden 7168, 64 heads -> 8, q_lora 1536, kv_lora 512, rope 64, nope 128,
@@ -18,7 +18,14 @@
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
 //                   [--prefill 4096,46080 [--prefill-chunk 8192]] [--dense resident|cublas]
-//                   [--shared-experts 1] [--sequences 1]
+//                   [--shared-experts 1] [--sequences 1] [--experts bf16|int4]
+//                   [--first-dense 0] [--accepted 3]
+//
+// --experts int4 makes the routed experts INT4 as Kimi-K2-Thinking ships them (groups of 32,
+// bf16 scales; streamed quantized: moe_int4_tiles.h), so all 61 layers of a rank fit on one H200
+// (--layers 61 --first-dense 1: Kimi-K2's depth with its dense first layer). Each row reports
+// tokens per second at --accepted tokens a step (at most the tree's depth plus one; one without
+// a tree).
 //
 // --sequences N verifies N sequences a step, each with the context and the tree (the batch's
 // sequences padded to a bucket, cuda_forward.h: 3 run as 4 with one padding sequence).
@@ -78,6 +85,9 @@ struct Args {
   bool resident_products = true;  // --dense cublas: every dense product through cuBLASLt
   int shared_experts = 1;         // Kimi-K2's; 0 for the routed experts alone
   int sequences = 1;              // a step's sequences, each with the context and the tree
+  bool int4_experts = false;      // --experts int4: Kimi-K2-Thinking's INT4 routed experts
+  int first_dense = 0;            // --first-dense 1: Kimi-K2's dense first layer
+  double accepted = 3.0;          // tokens a tree step emits, for the tokens-per-second figure
 };
 
 ModelConfig KimiK2(int layers) {
@@ -121,15 +131,26 @@ ModelConfig KimiK2(int layers) {
 constexpr int32_t kPageSize = 64;
 
 // Bytes of one layer's weights and KV at the longest context: what decides how many fit.
-int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_keys) {
+int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_keys,
+                   bool int4_experts) {
   const int64_t h = c.hidden_size, heads = plan.heads.size();
   const int64_t attention = *c.q_lora_rank * h + heads * c.qk_head_dim() * *c.q_lora_rank +
                             c.kv_row_dim() * h + heads * c.kv_lora_rank * 256 +
                             h * heads * c.v_head_dim;
   const int64_t experts = plan.experts.size() * 3 * h * plan.expert_intermediate.size();
   const int64_t shared = 3 * h * plan.shared_intermediate.size();
-  return 2 * (attention + experts + shared + c.n_routed_experts * h) +
+  // INT4 stages: half a byte and a bf16 scale per 32 weights.
+  const int64_t expert_bytes = int4_experts ? experts / 2 + experts / 16 : 2 * experts;
+  return 2 * (attention + shared + c.n_routed_experts * h) + expert_bytes +
          max_keys * c.kv_row_dim() * 2;
+}
+
+// Tokens a step emits: one without a tree, else the stated acceptance length, at most the
+// tree's depth (a binary tree of n nodes has floor(log2 n) + 1 levels) plus the bonus token.
+double TokensPerStep(int64_t nodes, double accepted) {
+  if (nodes <= 1) return 1.0;
+  const double levels = std::floor(std::log2(static_cast<double>(nodes))) + 1.0;
+  return std::min(accepted, levels + 1.0);
 }
 
 // `sequences` sequences, each with `context` committed keys and a binary tree of `nodes` new
@@ -349,6 +370,9 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
           : *std::max_element(args.prefill.begin(), args.prefill.end());
   ModelConfig config = KimiK2(1);
   config.n_shared_experts = args.shared_experts;
+  if (args.int4_experts) {
+    config.quantization = {.method = WeightQuantization::Method::kInt4Group, .group_size = 32};
+  }
   TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
   int layers = args.layers;
   if (layers == 0) {
@@ -357,15 +381,18 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
     // Leave room for the embedding, the LM head, activations and workspaces.
     const int64_t spare = int64_t{6} << 30;
     layers = static_cast<int>((static_cast<int64_t>(free_bytes) - spare) /
-                              LayerBytes(config, plan, max_keys));
+                              LayerBytes(config, plan, max_keys, args.int4_experts));
   }
   config.num_hidden_layers = layers;
+  config.first_k_dense_replace = std::min(args.first_dense, layers);
   config.n_routed_experts = 384;
   TV_ASSIGN_OR_RETURN(plan, ShardingPlan::Make(config, 0, 8, sharding));
   const char* sharding_name = ShardingName(sharding);
-  std::printf("sharding %s: %d layers, %lld local experts x %lld columns\n", sharding_name, layers,
+  std::printf("sharding %s: %d layers (%d dense), %lld local experts x %lld columns, %s experts\n",
+              sharding_name, layers, static_cast<int>(config.first_k_dense_replace),
               static_cast<long long>(plan.experts.size()),
-              static_cast<long long>(plan.expert_intermediate.size()));
+              static_cast<long long>(plan.expert_intermediate.size()),
+              args.int4_experts ? "int4" : "bf16");
   std::fflush(stdout);
 
   TV_ASSIGN_OR_RETURN(DeviceWeights weights, RandomDeviceWeights(config, plan, 2026));
@@ -411,9 +438,14 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
         accounts.push_back(*forward->last_step_account());
         wall.push_back(seconds);
       }
-      nlohmann::json row = {{"sharding", sharding_name},   {"layers", layers},
-                            {"context", context},          {"tree", nodes},
-                            {"sequences", args.sequences}, {"wall_ms", Median(wall) * 1e3}};
+      nlohmann::json row = {{"sharding", sharding_name},
+                            {"layers", layers},
+                            {"dense_layers", config.first_k_dense_replace},
+                            {"experts", args.int4_experts ? "int4" : "bf16"},
+                            {"context", context},
+                            {"tree", nodes},
+                            {"sequences", args.sequences},
+                            {"wall_ms", Median(wall) * 1e3}};
       const double copy = accounts[0].copy_bytes_per_second;
       row["copy_tb_s"] = copy / 1e12;
       std::vector<double> active;
@@ -449,16 +481,20 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
       for (const StepAccount& a : accounts) totals.push_back(a.total_seconds);
       const double total = Median(totals);
       const double total_floor = accounts.back().total_bytes() / copy;
+      const double tokens = TokensPerStep(nodes, args.accepted) * args.sequences;
       row["total"] = {{"us", total * 1e6},
                       {"bytes", accounts.back().total_bytes()},
                       {"floor_us", total_floor * 1e6},
                       {"dram_utilization", total_floor / total},
-                      {"per_layer_us", total * 1e6 / layers}};
+                      {"per_layer_us", total * 1e6 / layers},
+                      {"tokens_per_step", tokens},
+                      {"tokens_per_second", tokens / total}};
       absl::StrAppend(&line, " | total ", static_cast<int>(total * 1e6), "us/",
                       static_cast<int>(total_floor * 1e6), "us (",
                       static_cast<int>(100 * total_floor / total), "%), wall ",
                       static_cast<int>(Median(wall) * 1e6), "us, active ",
-                      static_cast<int>(Median(active)));
+                      static_cast<int>(Median(active)), ", ", static_cast<int>(tokens / total),
+                      " tok/s at ", tokens, " a step");
       std::printf("%s\n", line.c_str());
       std::fflush(stdout);
       results["rows"].push_back(row);
@@ -557,6 +593,19 @@ absl::Status Main(int argc, char** argv) {
     } else if (flag == "--shared-experts") {
       if (!absl::SimpleAtoi(value, &args.shared_experts) || args.shared_experts < 0) {
         return absl::InvalidArgumentError(absl::StrCat("--shared-experts 0, 1, ...; got ", value));
+      }
+    } else if (flag == "--experts") {
+      if (value != "bf16" && value != "int4") {
+        return absl::InvalidArgumentError(absl::StrCat("--experts bf16 or int4; got ", value));
+      }
+      args.int4_experts = value == "int4";
+    } else if (flag == "--first-dense") {
+      if (!absl::SimpleAtoi(value, &args.first_dense) || args.first_dense < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--first-dense 0, 1, ...; got ", value));
+      }
+    } else if (flag == "--accepted") {
+      if (!absl::SimpleAtod(value, &args.accepted) || args.accepted < 1.0) {
+        return absl::InvalidArgumentError(absl::StrCat("--accepted >= 1; got ", value));
       }
     } else if (flag == "--sharding") {
       args.shardings.clear();

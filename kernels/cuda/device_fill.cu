@@ -7,7 +7,7 @@
 namespace treeverify::kernels::cuda {
 namespace {
 
-__device__ __forceinline__ float HashUniform(uint64_t index, uint32_t seed) {
+__device__ __forceinline__ uint32_t Hash(uint64_t index, uint32_t seed) {
   uint32_t x =
       static_cast<uint32_t>(index) * 2654435761u ^ seed ^ static_cast<uint32_t>(index >> 32);
   x ^= x >> 16;
@@ -15,7 +15,18 @@ __device__ __forceinline__ float HashUniform(uint64_t index, uint32_t seed) {
   x ^= x >> 15;
   x *= 0x846ca68bu;
   x ^= x >> 16;
-  return static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f;  // [-1, 1)
+  return x;
+}
+
+__device__ __forceinline__ float HashUniform(uint64_t index, uint32_t seed) {
+  return static_cast<float>(Hash(index, seed) >> 8) / 16777216.0f * 2.0f - 1.0f;  // [-1, 1)
+}
+
+__global__ void FillRandomBitsKernel(uint32_t* data, int64_t count, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = Hash(i, seed);
+  }
 }
 
 template <typename T>
@@ -66,6 +77,15 @@ absl::Status FillConstant(Bf16* data, int64_t count, float value, cudaStream_t s
   if (count == 0) return absl::OkStatus();
   FillConstantKernel<<<Blocks(count), 256, 0, stream>>>(data, count, value);
   return CudaStatus(cudaGetLastError(), "FillConstantKernel launch");
+}
+
+absl::Status FillRandomBits(uint32_t* data, int64_t count, uint32_t seed, cudaStream_t stream) {
+  if (count < 0 || (count > 0 && data == nullptr)) {
+    return absl::InvalidArgumentError("FillRandomBits: a negative count or no buffer");
+  }
+  if (count == 0) return absl::OkStatus();
+  FillRandomBitsKernel<<<Blocks(count), 256, 0, stream>>>(data, count, seed);
+  return CudaStatus(cudaGetLastError(), "FillRandomBitsKernel launch");
 }
 
 }  // namespace treeverify::kernels::cuda

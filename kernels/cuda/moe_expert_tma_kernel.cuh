@@ -23,10 +23,16 @@
 // of w.expert_out for the combine), so that few active experts still fill the machine. An expert
 // with more than 32 pairs streams its tile once per group of 32.
 //
-// The weights come packed as the stage holds them (treeverify/kernels/cuda/moe_tiles.h): 16 KB a
-// stage (a down tile, or a gate tile and the same tile of up), already in the 128-byte swizzle,
-// an item's stages one after another, so a stage is one bulk copy and an item one run of memory.
-// Rows past an expert's and columns past the reduction's end are zeros in the tiles; the token
+// The weights come packed as the stage holds them, an item's stages one after another, so a stage
+// is one bulk copy and an item one run of memory; the stage format (the kernel's parameter) says
+// how they are stored and how a consumer makes its A fragments of them:
+// - Bf16Stage (treeverify/kernels/cuda/moe_tiles.h): 16 KB a stage (a down tile, or a gate tile
+//   and the same tile of up), already in the 128-byte swizzle, read by ldmatrix.
+// - Int4Stage (treeverify/kernels/cuda/moe_int4_tiles.h): 4 KB of nibbles and 512 bytes of group
+//   scales a stage, each thread's fragments of a stage one 16-byte load, dequantized in registers
+//   to the bf16 a loader would have rounded them to: W4A16 with the bf16 stream's sums, bit for
+//   bit, at 28 % of its bytes.
+// Rows past an expert's and columns past the reduction's end are zeros in the stages; the token
 // rows' columns past it are cp.async's zero fill.
 #pragma once
 
@@ -41,6 +47,7 @@
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
 #include "sm90_primitives.cuh"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/moe.h"
 
@@ -52,17 +59,139 @@ inline constexpr int kTmaRows = 16 * kTmaConsumerWarps;           // weight rows
 inline constexpr int kTmaCols = 64;    // reduction columns per stage: one 128-byte swizzled row
 inline constexpr int kTmaTokens = 32;  // token rows per group: four mma passes of 8
 inline constexpr int kTmaPasses = kTmaTokens / 8;
-inline constexpr int kTmaWeightBytes = kTmaRows * kTmaCols * 2;  // 16 KB
-inline constexpr int kTmaStageBytes = kTmaWeightBytes + kTmaTokens * kTmaCols * 2;
-// Slots start at multiples of 1024 bytes, so that each 8-row period of the 128-byte swizzle covers
-// the 32 banks once (ldmatrix without conflicts); the swizzle itself is relative to the slot.
-static_assert(kTmaStageBytes % 1024 == 0);
+inline constexpr int kTmaTokenBytes = kTmaTokens * kTmaCols * 2;  // a stage's token rows
 // ReductionParts counts the items and stages so.
 static_assert(kTmaRows / 2 == kGateUpTileRows && kTmaRows == kDownTileRows);
-// A stage's tiles are the packed ones (moe_tiles.h).
-static_assert(GateUpTileLayout(0, 0).tile_rows == kTmaRows / 2 &&
-              DownTileLayout(0, 0).tile_rows == kTmaRows && MoeTileLayout::kColumns == kTmaCols);
 static_assert(kTmaCols == kStageColumns);
+
+// A stage of bf16 tiles (moe_tiles.h): the weights, then the token rows. Slots start at multiples
+// of 1024 bytes, and so do the token rows, so that each 8-row period of the 128-byte swizzle
+// covers the 32 banks once (ldmatrix without conflicts); the swizzle is relative to the slot.
+template <bool kIsGateUp>
+struct Bf16Stage {
+  static constexpr bool kGateUp = kIsGateUp;
+  static constexpr int kWeightBytes = kTmaRows * kTmaCols * 2;  // 16 KB
+  static constexpr int kTokenOffset = kWeightBytes;
+  static constexpr int kBytes = kTokenOffset + kTmaTokenBytes;
+  static constexpr int kMaxSlots = 8;
+  static_assert(GateUpTileLayout(0, 0).tile_rows == kTmaRows / 2 &&
+                DownTileLayout(0, 0).tile_rows == kTmaRows && MoeTileLayout::kColumns == kTmaCols);
+
+  __device__ explicit Bf16Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
+      : base_(kGateUp ? p.packed_gate : p.packed_down),
+        layout_(kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
+                        : DownTileLayout(p.hidden, p.intermediate)) {}
+  // Where the stage (row tile, chunk of kTmaCols columns) of `expert` is; gate/up: the gate tile
+  // and, right after it, the same tile of up.
+  __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
+    return base_ + layout_.TileOffset(expert, tile, chunk);
+  }
+
+  // A consumer warp's A fragments of a stage's weights: its 16 fragment rows (gate/up: 8 of gate
+  // over the same 8 of up) at lane l's ldmatrix address.
+  class Fragments {
+   public:
+    __device__ Fragments(const uint8_t* weights, int warp, int lane)
+        : weights_(weights),
+          row_(kGateUp ? 8 * warp + lane % 8 + (lane / 8 % 2) * (kTmaRows / 2)
+                       : 16 * warp + lane % 8 + (lane / 8 % 2) * 8) {}
+    // k-steps 2j and 2j + 1, from units 4j + l / 16 (two steps of two units).
+    __device__ void Get(int j, int lane, uint32_t (&a)[2][4]) const {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mma::LoadMatrices4(a[h],
+                           weights_ + sm90::Swizzle128(row_, 8 * (4 * j + 2 * h + lane / 16)));
+      }
+    }
+
+   private:
+    const uint8_t* weights_;
+    int row_;
+  };
+
+ private:
+  const Bf16* base_;
+  MoeTileLayout layout_;
+};
+
+// The bits of `from` as a `To` of the same size (register moves; no conversion).
+template <typename To, typename From>
+__device__ __forceinline__ To BitCast(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// bf16 128 + n for the nibbles n at bits 0-3 and 16-19, exactly (the bf16 spacing at 128 is 1).
+inline constexpr uint32_t kInt4Magic = 0x43004300u;
+inline constexpr uint32_t kInt4Offset = 0x43084308u;  // bf16 136 twice: 128 + the stored + 8
+
+// bf16((n - 8) x scale) for the pair of nibbles at bits 0-3 and 16-19 of `shifted`: the
+// subtraction is exact and the multiply rounds once, as a loader rounding the fp32 weight would.
+__device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_t scale_pair) {
+  const uint32_t biased = (shifted & 0x000f000fu) | kInt4Magic;
+  const __nv_bfloat162 value =
+      __hmul2(__hsub2(BitCast<__nv_bfloat162>(biased), BitCast<__nv_bfloat162>(kInt4Offset)),
+              BitCast<__nv_bfloat162>(scale_pair));
+  return BitCast<uint32_t>(value);
+}
+
+// A stage of INT4 experts (moe_int4_tiles.h): nibbles and scales, then the token rows at the next
+// multiple of 1024 bytes.
+template <bool kIsGateUp>
+struct Int4Stage {
+  static constexpr bool kGateUp = kIsGateUp;
+  static constexpr int kWeightBytes = MoeInt4Layout::kStageBytes;  // 4.5 KB
+  static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
+  static constexpr int kBytes = kTokenOffset + kTmaTokenBytes;
+  // A quarter of the bf16 stage's bytes: as many bytes in flight take more slots.
+  static constexpr int kMaxSlots = 12;
+  static_assert(MoeInt4Layout::kStageRows == kTmaRows && MoeInt4Layout::kColumns == kTmaCols &&
+                kWeightBytes % 16 == 0);
+
+  __device__ explicit Int4Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
+      : base_(kGateUp ? p.int4_gate_up : p.int4_down),
+        layout_(kGateUp ? Int4GateUpLayout(p.intermediate, p.hidden)
+                        : Int4DownLayout(p.hidden, p.intermediate)) {}
+  __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
+    return base_ + layout_.StageOffset(expert, tile, chunk);
+  }
+
+  // A thread's words (k-steps 0-3) and scales (groups 0 and 1) of a stage, loaded once; the
+  // fragments are made from them in registers. Fragment rows map to gate/up or down rows as the
+  // bf16 stage's do, so the sums and the stores are the same.
+  class Fragments {
+   public:
+    __device__ Fragments(const uint8_t* weights, int warp, int lane)
+        : words_(*reinterpret_cast<const uint4*>(weights + (warp * 32 + lane) * 16)),
+          scales_(*reinterpret_cast<const uint2*>(weights + MoeInt4Layout::kWordBytes +
+                                                  (warp * 8 + lane / 4) * 8)) {}
+    // k-steps 2j and 2j + 1: group j of the stage.
+    __device__ void Get(int j, int /*lane*/, uint32_t (&a)[2][4]) const {
+      const uint32_t scales = j == 0 ? scales_.x : scales_.y;
+      const uint32_t row_g = __byte_perm(scales, 0, 0x1010);   // row g's scale, twice
+      const uint32_t row_g8 = __byte_perm(scales, 0, 0x3232);  // row g + 8's
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t word =
+            j == 0 ? (h == 0 ? words_.x : words_.y) : (h == 0 ? words_.z : words_.w);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          a[h][p] = DequantizeInt4Pair(word >> (4 * p), p % 2 == 0 ? row_g : row_g8);
+        }
+      }
+    }
+
+   private:
+    uint4 words_;
+    uint2 scales_;
+  };
+
+ private:
+  const uint8_t* base_;
+  MoeInt4Layout layout_;
+};
 
 // What a stage holds, from the producer to the consumers (16 bytes beside each slot).
 struct StageTicket {
@@ -96,10 +225,12 @@ struct RingPosition {
   }
 };
 
-// Dynamic shared memory for `stages` slots: the slots (1024-aligned), then the mbarriers and the
-// tickets; 1024 bytes of slack for the alignment.
+// Dynamic shared memory for `stages` slots of `Stage`: the slots (1024-aligned), then the
+// mbarriers and the tickets; 1024 bytes of slack for the alignment.
+template <class Stage>
 __host__ __device__ constexpr int TmaSmemBytes(int stages) {
-  return 1024 + stages * (kTmaStageBytes + 2 * 8 + int{sizeof(StageTicket)});
+  static_assert(Stage::kBytes % 1024 == 0 && Stage::kTokenOffset % 1024 == 0);
+  return 1024 + stages * (Stage::kBytes + 2 * 8 + int{sizeof(StageTicket)});
 }
 
 // The walk over a block's stages: its items, their token groups, and the 64-column stages of
@@ -215,17 +346,18 @@ struct ExpertWalk {
   bool done_ = false;
 };
 
-// Gate/up (kGateUp: from p.packed_gate and p.packed_up; out: silu(gate) * up, or the block part's
-// sums) or down (from p.packed_down; out: fp32 per entry) for every active expert, through
-// `stages` slots.
-template <bool kGateUp>
+// Gate/up (Stage::kGateUp: out silu(gate) * up, or the block part's sums) or down (out: fp32 per
+// entry) for every active expert, from the stages of `Stage` (Bf16Stage: p.packed_gate with
+// packed_up, or p.packed_down; Int4Stage: p.int4_gate_up or p.int4_down), through `stages` slots.
+template <class Stage>
 __global__ void __launch_bounds__(kTmaThreads, 2)
     ExpertTmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts,
                     int32_t stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kGateUp = Stage::kGateUp;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* slots = sm90::AlignSharedUp<1024>(smem_raw);
-  uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * kTmaStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(slots + stages * Stage::kBytes);
   uint64_t* empty = full + stages;
   StageTicket* tickets = reinterpret_cast<StageTicket*>(empty + stages);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -251,8 +383,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 
   if (producer) {
     // The producer. Token rows: lane l copies 16-byte unit l % 8 of rows l / 8 + 4 * turn.
-    const MoeTileLayout layout = kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
-                                         : DownTileLayout(p.hidden, p.intermediate);
+    const Stage weight_source(p);
     // A stage's ticket and weight tiles, once its slot is free (lane 0; the full barrier then
     // waits for the token rows' 32 arrivals).
     auto issue_weights = [&](const RingPosition& ring, bool more, const ExpertWalk& at) {
@@ -263,13 +394,11 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       const int32_t bits = count | (at.FirstOfGroup() ? StageTicket::kFirst : 0) |
                            (at.LastOfGroup() ? StageTicket::kLast : 0) | at.part << 16;
       tickets[slot] = StageTicket{at.row0, at.group_begin, at.k0, bits};
-      sm90::MbarrierArriveExpectTx(&full[slot], more ? kTmaWeightBytes : 0);
+      sm90::MbarrierArriveExpectTx(&full[slot], more ? Stage::kWeightBytes : 0);
       if (more) {
-        uint8_t* weights = slots + slot * kTmaStageBytes;
-        // Gate/up: the gate tile and, right after it, the same tile of up (interleaved).
-        const int64_t tile = layout.TileOffset(at.expert, at.tile, at.k0 / kTmaCols);
-        sm90::BulkLoad(weights, (kGateUp ? p.packed_gate : p.packed_down) + tile, kTmaWeightBytes,
-                       &full[slot]);
+        sm90::BulkLoad(slots + slot * Stage::kBytes,
+                       weight_source.Source(at.expert, at.tile, at.k0 / kTmaCols),
+                       Stage::kWeightBytes, &full[slot]);
       }
     };
     // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier. Lane l
@@ -300,7 +429,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       if (ticket.Count() > 0) {
         const int32_t column = ticket.k0 + 8 * (lane % 8);
         const bool in_range = column < length;
-        uint8_t* tokens = slots + slot * kTmaStageBytes + kTmaWeightBytes;
+        uint8_t* tokens = slots + slot * Stage::kBytes + Stage::kTokenOffset;
 #pragma unroll
         for (int turn = 0; turn < kTokenTurns; ++turn) {
           if (turn < token_turns) {
@@ -333,11 +462,9 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     }
   }
 
-  // A consumer: fragment rows of this warp's 16 (gate/up: 8 of gate over the same 8 of up) at
-  // lane l's ldmatrix address, and the tokens' (row l % 8 of the pass).
+  // A consumer: this warp's 16 fragment rows (gate/up: 8 of gate over the same 8 of up) of each
+  // stage, and the tokens' (row l % 8 of the pass).
   const int g = lane / 4, q = lane % 4;
-  const int a_row = kGateUp ? 8 * warp + lane % 8 + (lane / 8 % 2) * (kTmaRows / 2)
-                            : 16 * warp + lane % 8 + (lane / 8 % 2) * 8;
   float acc[kTmaPasses][4] = {};
   // Down: the entries (token * top_k + slot) of this thread's pairs, loaded at the group's first
   // stage so that the stores at its last do not wait for them.
@@ -362,18 +489,15 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
         }
       }
     }
-    const uint8_t* weights = slots + slot * kTmaStageBytes;
-    const uint8_t* tokens = weights + kTmaWeightBytes;
-    // k-steps 2j and 2j + 1: A from units 4j + l / 16 (two steps of two units), B from units
-    // 4j + l / 8 (b0, b1 of step 2j, then of 2j + 1).
+    const uint8_t* weights = slots + slot * Stage::kBytes;
+    const uint8_t* tokens = weights + Stage::kTokenOffset;
+    const typename Stage::Fragments fragments(weights, warp, lane);
+    // k-steps 2j and 2j + 1: A from the stage's fragments, B from units 4j + l / 8 (b0, b1 of
+    // step 2j, then of 2j + 1).
 #pragma unroll
     for (int j = 0; j < kTmaCols / 32; ++j) {
       uint32_t a[2][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mma::LoadMatrices4(a[h],
-                           weights + sm90::Swizzle128(a_row, 8 * (4 * j + 2 * h + lane / 16)));
-      }
+      fragments.Get(j, lane, a);
 #pragma unroll
       for (int pass = 0; pass < kTmaPasses; ++pass) {
         if (8 * pass >= ticket.Count()) break;

@@ -91,12 +91,14 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int
 }
 
 // Slots per block of the weight-streaming kernel and blocks per multiprocessor: two blocks where
-// each then has at least 4 slots (sm_90 and sm_100: 5 slots of 20 KB), else one (sm_120's 100 KB
-// of shared memory: 4 slots). Two blocks let one block's stores overlap the other's stream.
+// each then has at least 4 slots (bf16 on sm_90 and sm_100: 5 slots of 20 KB; INT4: 12 of 9 KB),
+// else one (bf16 on sm_120's 100 KB of shared memory: 4 slots). Two blocks let one block's stores
+// overlap the other's stream.
 struct TmaPlan {
   int stages = 0;
   int blocks_per_multiprocessor = 0;
 };
+template <class Stage>
 absl::StatusOr<TmaPlan> PlanTmaKernels(int device) {
   int per_multiprocessor = 0, per_block = 0, reserved = 0;
   TV_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
@@ -105,10 +107,10 @@ absl::StatusOr<TmaPlan> PlanTmaKernels(int device) {
       cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   TV_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
-  const int slot_bytes = moe::TmaSmemBytes(1) - moe::TmaSmemBytes(0);
+  const int slot_bytes = moe::TmaSmemBytes<Stage>(1) - moe::TmaSmemBytes<Stage>(0);
   auto stages_with = [&](int blocks) {
     const int budget = std::min(per_block, per_multiprocessor / blocks - reserved);
-    return std::min(8, (budget - moe::TmaSmemBytes(0)) / slot_bytes);
+    return std::min(Stage::kMaxSlots, (budget - moe::TmaSmemBytes<Stage>(0)) / slot_bytes);
   };
   if (stages_with(2) >= 4) return TmaPlan{stages_with(2), 2};
   if (stages_with(1) >= 2) return TmaPlan{stages_with(1), 1};
@@ -117,8 +119,10 @@ absl::StatusOr<TmaPlan> PlanTmaKernels(int device) {
                    " than two weight-streaming slots of ", slot_bytes));
 }
 
-// Gate/up (and FinishGateUp where its reduction is parted) then down, on packed experts; the
-// number of down's parts, for the combine to add.
+// Gate/up (and FinishGateUp where its reduction is parted) then down, on packed experts in the
+// stages of `UpStage` and `DownStage` (moe_expert_tma_kernel.cuh); the number of down's parts, for
+// the combine to add.
+template <class UpStage, class DownStage>
 absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf16>& p,
                                                const Workspace& w, int device, int multiprocessors,
                                                int64_t most_active, cudaStream_t stream) {
@@ -134,22 +138,23 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
                                                    " local experts of ", p.hidden, " x ",
                                                    p.intermediate, " make more than 2^30 items"));
   }
-  TV_ASSIGN_OR_RETURN(const TmaPlan plan, PlanTmaKernels(device));
-  const int smem = moe::TmaSmemBytes(plan.stages);
-  for (auto* kernel : {ExpertTmaKernel<true>, ExpertTmaKernel<false>}) {
+  static_assert(UpStage::kGateUp && !DownStage::kGateUp && UpStage::kBytes == DownStage::kBytes);
+  TV_ASSIGN_OR_RETURN(const TmaPlan plan, PlanTmaKernels<UpStage>(device));
+  const int smem = moe::TmaSmemBytes<UpStage>(plan.stages);
+  for (auto* kernel : {ExpertTmaKernel<UpStage>, ExpertTmaKernel<DownStage>}) {
     TV_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
   // Persistent blocks, as many as are resident at once, claiming items until none are left.
   int resident = 0;
   TV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &resident, ExpertTmaKernel<true>, moe::kTmaThreads, smem));
+      &resident, ExpertTmaKernel<UpStage>, moe::kTmaThreads, smem));
   const int64_t blocks =
       std::max(1, std::min(resident, plan.blocks_per_multiprocessor)) * int64_t{multiprocessors};
   // Each a programmatic dependent of the one before (programmatic_launch.h): launch and set-up
   // overlap.
-  const bool overlap = WaitsForPredecessor(ExpertTmaKernel<true>);
-  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<true>,
+  const bool overlap = WaitsForPredecessor(ExpertTmaKernel<UpStage>);
+  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<UpStage>,
                                   dim3(static_cast<unsigned>(std::min(blocks, up_items))),
                                   dim3(moe::kTmaThreads), smem, stream, overlap,
                                   "MoeExperts gate/up stream", p, w, parts, plan.stages));
@@ -159,7 +164,7 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
                                     dim3(static_cast<unsigned>((values + 255) / 256)), dim3(256), 0,
                                     stream, overlap, "MoeExperts FinishGateUp", p, w, parts));
   }
-  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<false>,
+  TV_RETURN_IF_ERROR(LaunchKernel(ExpertTmaKernel<DownStage>,
                                   dim3(static_cast<unsigned>(std::min(blocks, down_items))),
                                   dim3(moe::kTmaThreads), smem, stream, overlap,
                                   "MoeExperts down stream", p, w, down_parts, plan.stages));
@@ -195,12 +200,19 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int packed =
       (p.packed_gate != nullptr) + (p.packed_up != nullptr) + (p.packed_down != nullptr);
   const int given = (p.gate_proj != nullptr) + (p.up_proj != nullptr) + (p.down_proj != nullptr);
-  const bool tiled = packed == 3, pointers = given == 3;
+  const int int4 = (p.int4_gate_up != nullptr) + (p.int4_down != nullptr);
+  const bool tiled = packed == 3, pointers = given == 3, quantized = int4 == 2;
   if (p.x == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr || p.out == nullptr ||
-      (packed != 0 && packed != 3) || (given != 0 && given != 3) || (!tiled && !pointers)) {
+      (packed != 0 && packed != 3) || (given != 0 && given != 3) || (int4 != 0 && int4 != 2) ||
+      (quantized && (tiled || pointers)) || (!tiled && !pointers && !quantized)) {
     return absl::InvalidArgumentError(
         "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (all three packed "
-        "tiles, or all three pointer arrays, or both) must be non-null");
+        "tiles, or all three pointer arrays, or both; or the two INT4 stage arrays alone) must be "
+        "non-null");
+  }
+  if (quantized && (reinterpret_cast<uintptr_t>(p.int4_gate_up) % 16 != 0 ||
+                    reinterpret_cast<uintptr_t>(p.int4_down) % 16 != 0)) {
+    return absl::InvalidArgumentError("cuda::MoeExperts: the INT4 stages must be 16-byte aligned");
   }
   if (tiled &&
       (p.packed_up != p.packed_gate + GateUpTileLayout(p.intermediate, p.hidden).TileElements() ||
@@ -234,14 +246,16 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   // The weight stream where the experts come as tiles, on sm_90 and later (bulk copies) with
   // token rows of whole 16-byte pieces (every production shape); the CUDA-core kernels, which
   // read the pointer arrays, otherwise.
-  const bool tma_path = tiled && MoeTilesReadable(p.hidden, p.intermediate, compute_major) &&
+  const bool tma_path = (tiled || quantized) &&
+                        MoeTilesReadable(p.hidden, p.intermediate, compute_major) &&
                         reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (!tma_path && !pointers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda::MoeExperts: packed tiles are read on sm_90 and later with hidden and intermediate "
-        "multiples of 8 and x 16-byte aligned (compute capability ",
-        compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
-        "); otherwise the pointer arrays are needed"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::MoeExperts: packed tiles and INT4 stages are read on sm_90 and later "
+                     "with hidden and "
+                     "intermediate multiples of 8 and x 16-byte aligned (compute capability ",
+                     compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
+                     "); otherwise the pointer arrays are needed"));
   }
   const int64_t entries = p.tokens * p.top_k;
   if (grouping == MoeGrouping::kInRouting) {
@@ -282,9 +296,14 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   int32_t down_parts = 1;  // the weight stream's may split down's reduction
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
-  // per 64 of its tokens rather than per 16.
-  if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
-      reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
+  // per 64 of its tokens rather than per 32. (INT4 experts stream at every size: the grouped
+  // GEMM reads bf16.)
+  if (quantized) {
+    TV_ASSIGN_OR_RETURN(down_parts,
+                        (LaunchExpertTmaKernels<moe::Int4Stage<true>, moe::Int4Stage<false>>(
+                            p, w, device, multiprocessors, most_active, stream)));
+  } else if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
+             reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
     const int64_t max_tiles = moe::MaxGemmTiles(entries, p.num_local_experts);
     TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         ExpertGemmKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::kGemmSmemBytes));
@@ -305,7 +324,8 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (tma_path) {
     TV_ASSIGN_OR_RETURN(down_parts,
-                        LaunchExpertTmaKernels(p, w, device, multiprocessors, most_active, stream));
+                        (LaunchExpertTmaKernels<moe::Bf16Stage<true>, moe::Bf16Stage<false>>(
+                            p, w, device, multiprocessors, most_active, stream)));
   } else {
     const int32_t up_tiles = static_cast<int32_t>((p.intermediate + kWarps - 1) / kWarps);
     const unsigned up_blocks =

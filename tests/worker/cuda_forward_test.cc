@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <numeric>
 #include <optional>
@@ -23,6 +24,7 @@
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
+#include "treeverify/worker/device_weights.h"
 #include "treeverify/worker/model_runner.h"
 #include "treeverify/worker/nccl_communicator.h"
 #include "treeverify/worker/rendezvous_store.h"
@@ -61,6 +63,15 @@ std::vector<Model> Models() {
     all_experts.topk_group = spec.n_group;
     models.push_back({std::string(preset) + "-all-experts", all_experts});
   }
+  // Kimi-K2-Thinking's INT4 experts (streamed quantized on the GPU, dequantized on the CPU), with
+  // expert columns that two ranks split on group edges (32 each).
+  tools::CheckpointSpec int4 = *tools::PresetSpec("tiny-kimi");
+  int4.quantization.method = WeightQuantization::Method::kInt4Group;
+  int4.moe_intermediate_size = 64;
+  models.push_back({"tiny-kimi-int4", int4, /*near_ties=*/true});
+  tools::CheckpointSpec int4_all_experts = int4;
+  int4_all_experts.num_experts_per_tok = int4.n_routed_experts;
+  models.push_back({"tiny-kimi-int4-all-experts", int4_all_experts});
   tools::CheckpointSpec v3 = *tools::PresetSpec("tiny-v3");
   v3.n_routed_experts = 0;
   models.push_back({"dense-tiny-v3", v3});
@@ -706,6 +717,58 @@ TEST_F(CudaForwardTest, SummariesFollowEachSequencesSampling) {
 
 // Where there is no GPU (CI, a developer's laptop), asking for the CUDA backend is a clear
 // FAILED_PRECONDITION, not a crash. (On a GPU machine only the options check runs.)
+// An INT4 checkpoint's experts reach the GPU as the stream's INT4 stages, not dequantized (the
+// models above then test the quantized stream against the CPU), at both shardings of two ranks;
+// an FP8 checkpoint's go dequantized to bf16 tiles.
+TEST_F(CudaForwardTest, Int4ExpertsStayInt4OnTheGpu) {
+  for (const Model& model : Models()) {
+    if (model.name != "tiny-kimi-int4") continue;
+    const std::string dir = WriteModel(model);
+    auto config = ModelConfig::FromFile(dir + "/config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    for (ExpertSharding sharding : {ExpertSharding::kSplitInside, ExpertSharding::kWholeExperts}) {
+      auto plan = ShardingPlan::Make(*config, 1, 2, sharding);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      auto weights = ModelWeights::Load(dir, *config, *plan);
+      ASSERT_TRUE(weights.ok()) << weights.status();
+      auto device = UploadWeights(**weights);
+      ASSERT_TRUE(device.ok()) << device.status();
+      int moe_layers = 0;
+      for (const DeviceLayerWeights& layer : device->layers) {
+        if (!layer.is_moe) continue;
+        ++moe_layers;
+        EXPECT_EQ(layer.moe.layout, DeviceMoeWeights::Layout::kInt4);
+        // 4.5 KB a stage: gate/up's (64-row tiles of gate and up) and down's (128 rows).
+        const int64_t experts = plan->experts.size(), columns = plan->expert_intermediate.size();
+        const int64_t chunks = (config->hidden_size + 63) / 64;
+        EXPECT_EQ(layer.moe.int4_gate_up.size(), experts * ((columns + 63) / 64) * chunks * 4608);
+        EXPECT_EQ(layer.moe.int4_down.size(),
+                  experts * ((config->hidden_size + 127) / 128) * ((columns + 63) / 64) * 4608);
+        EXPECT_EQ(layer.moe.gate.size(), 0);
+      }
+      EXPECT_GT(moe_layers, 0);
+    }
+    std::filesystem::remove_all(dir);
+  }
+  tools::CheckpointSpec fp8 = *tools::PresetSpec("tiny-kimi");
+  fp8.quantization.method = WeightQuantization::Method::kFp8Block;
+  const std::string dir = WriteModel({"tiny-kimi-fp8", fp8});
+  auto config = ModelConfig::FromFile(dir + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto plan = ShardingPlan::Make(*config, 0, 1, ExpertSharding::kSplitInside);
+  ASSERT_TRUE(plan.ok());
+  auto weights = ModelWeights::Load(dir, *config, *plan);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto device = UploadWeights(**weights);
+  ASSERT_TRUE(device.ok()) << device.status();
+  for (const DeviceLayerWeights& layer : device->layers) {
+    if (layer.is_moe) {
+      EXPECT_EQ(layer.moe.layout, DeviceMoeWeights::Layout::kTiles);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CudaForwardWithoutGpuTest, RefusesWithAFailedPrecondition) {
   EXPECT_EQ(CudaForwardOptions{.device_ordinal = -1}.Validate().code(),
             absl::StatusCode::kInvalidArgument);

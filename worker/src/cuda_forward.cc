@@ -251,6 +251,11 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
 
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
+  for (const DeviceLayerWeights& layer : weights_.layers) {
+    if (layer.is_moe && layer.moe.layout == DeviceMoeWeights::Layout::kInt4) {
+      shape.expert_weight_bytes = 0.5 + 2.0 / 32.0;  // moe_int4_tiles.h
+    }
+  }
   // The context each attention pass reads: every absorbed sequence's, and each long chain's once.
   for (int32_t s = 0; s < AbsorbedSequences(batch.sequences()); ++s) {
     shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
@@ -1137,27 +1142,38 @@ kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
   const ShardingPlan& plan = weights_.plan;
   const Activations& a = activations_;
   const bool shared = moe.shared.intermediate > 0;
-  return {.x = a.normed.get(),
-          .topk_ids = a.topk_ids.get(),
-          .topk_weights = a.topk_weights.get(),
-          .gate_proj = moe.tiled ? nullptr : moe.gate_ptrs.get(),
-          .up_proj = moe.tiled ? nullptr : moe.up_ptrs.get(),
-          .down_proj = moe.tiled ? nullptr : moe.down_ptrs.get(),
-          .out = a.branch.get(),
-          .tokens = rows,
-          .top_k = static_cast<int32_t>(c.num_experts_per_tok),
-          .hidden = c.hidden_size,
-          .intermediate = plan.expert_intermediate.size(),
-          .first_expert = static_cast<int32_t>(plan.experts.begin),
-          .num_local_experts = static_cast<int32_t>(plan.experts.size()),
-          .shared_out = shared ? a.shared_out.get() : nullptr,
-          .packed_gate = moe.tiled ? moe.gate.get() : nullptr,
-          .packed_up = moe.tiled
-                           ? moe.gate.get() + cuda::GateUpTileLayout(
-                                                  plan.expert_intermediate.size(), c.hidden_size)
-                                                  .TileElements()
-                           : nullptr,
-          .packed_down = moe.tiled ? moe.down.get() : nullptr};
+  kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> p{
+      .x = a.normed.get(),
+      .topk_ids = a.topk_ids.get(),
+      .topk_weights = a.topk_weights.get(),
+      .out = a.branch.get(),
+      .tokens = rows,
+      .top_k = static_cast<int32_t>(c.num_experts_per_tok),
+      .hidden = c.hidden_size,
+      .intermediate = plan.expert_intermediate.size(),
+      .first_expert = static_cast<int32_t>(plan.experts.begin),
+      .num_local_experts = static_cast<int32_t>(plan.experts.size()),
+      .shared_out = shared ? a.shared_out.get() : nullptr};
+  using Layout = DeviceMoeWeights::Layout;
+  switch (moe.layout) {
+    case Layout::kRows:
+      p.gate_proj = moe.gate_ptrs.get();
+      p.up_proj = moe.up_ptrs.get();
+      p.down_proj = moe.down_ptrs.get();
+      break;
+    case Layout::kTiles:
+      p.packed_gate = moe.gate.get();
+      p.packed_up =
+          moe.gate.get() +
+          cuda::GateUpTileLayout(plan.expert_intermediate.size(), c.hidden_size).TileElements();
+      p.packed_down = moe.down.get();
+      break;
+    case Layout::kInt4:
+      p.int4_gate_up = moe.int4_gate_up.get();
+      p.int4_down = moe.int4_down.get();
+      break;
+  }
+  return p;
 }
 
 absl::Status CudaForward::RoutedExperts(const DeviceMoeWeights& moe, int64_t rows,

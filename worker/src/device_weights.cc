@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "treeverify/kernels/cuda/device_fill.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/status.h"
 
@@ -38,6 +39,55 @@ absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
   TV_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   return kernels::cuda::MoeTilesReadable(hidden, intermediate, major);
+}
+
+// Whether the weight stream reads INT4 experts of this quantization as its stages: groups of 32.
+bool Int4Streamable(const WeightQuantization& q) {
+  return q.method == WeightQuantization::Method::kInt4Group &&
+         q.group_size == kernels::cuda::MoeInt4Layout::kGroup;
+}
+
+// One kind of matrix (gate, up or down) of every held INT4 expert, as the checkpoint stores it,
+// on the device: words [experts, rows, ceil(cols / 8)], bf16 scales [experts, rows, groups].
+struct DeviceInt4Matrices {
+  DeviceArray<uint32_t> words;
+  DeviceArray<Bf16> scales;
+};
+
+// The INT4 experts into the weight stream's stages (`moe.layout` becomes kInt4); the checkpoint
+// layout's arrays are no longer needed after.
+absl::Status StageInt4Experts(int64_t experts, int64_t hidden, int64_t intermediate,
+                              const DeviceInt4Matrices& gate, const DeviceInt4Matrices& up,
+                              const DeviceInt4Matrices& down, DeviceMoeWeights& moe) {
+  const auto gate_up_layout = kernels::cuda::Int4GateUpLayout(intermediate, hidden);
+  const auto down_layout = kernels::cuda::Int4DownLayout(hidden, intermediate);
+  TV_ASSIGN_OR_RETURN(moe.int4_gate_up,
+                      DeviceArray<uint8_t>::Allocate(experts * gate_up_layout.ExpertBytes()));
+  TV_ASSIGN_OR_RETURN(moe.int4_down,
+                      DeviceArray<uint8_t>::Allocate(experts * down_layout.ExpertBytes()));
+  TV_RETURN_IF_ERROR(kernels::cuda::PackInt4ExpertTilesOnDevice(
+      {gate.words.get(), up.words.get()}, {gate.scales.get(), up.scales.get()}, experts,
+      gate_up_layout, moe.int4_gate_up.get(), nullptr));
+  TV_RETURN_IF_ERROR(kernels::cuda::PackInt4ExpertTilesOnDevice(
+      {down.words.get(), nullptr}, {down.scales.get(), nullptr}, experts, down_layout,
+      moe.int4_down.get(), nullptr));
+  TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  moe.layout = DeviceMoeWeights::Layout::kInt4;
+  return absl::OkStatus();
+}
+
+// A loaded kind of INT4 matrix, every held expert's, to the device as stored.
+absl::StatusOr<DeviceInt4Matrices> ToDevice(const std::vector<Int4Matrix>& matrices) {
+  std::vector<uint32_t> words;
+  std::vector<Bf16> scales;
+  for (const Int4Matrix& m : matrices) {
+    words.insert(words.end(), m.words.begin(), m.words.end());
+    for (uint16_t bits : m.scales) scales.push_back(__nv_bfloat16_raw{bits});
+  }
+  DeviceInt4Matrices device;
+  TV_ASSIGN_OR_RETURN(device.words, Copy(words));
+  TV_ASSIGN_OR_RETURN(device.scales, Copy(scales));
+  return device;
 }
 
 // The experts as the weight stream's tiles (`layout`), from row-major arrays on the device of
@@ -79,6 +129,7 @@ absl::Status TileExperts(DeviceMoeWeights& moe, int64_t experts, int64_t hidden,
       DeviceArray<Bf16> down,
       PackTiles(experts, {&moe.down}, kernels::cuda::DownTileLayout(hidden, intermediate)));
   moe.down = std::move(down);
+  moe.layout = DeviceMoeWeights::Layout::kTiles;
   return absl::OkStatus();
 }
 
@@ -165,16 +216,23 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     TV_ASSIGN_OR_RETURN(out.moe.correction_bias, Copy(moe.correction_bias));
     const int64_t hidden = weights.config.hidden_size;
     const int64_t intermediate = weights.plan.expert_intermediate.size();
-    TV_ASSIGN_OR_RETURN(out.moe.tiled, ExpertsAsTiles(hidden, intermediate));
+    const int64_t experts = static_cast<int64_t>(moe.gate_proj.size());
+    TV_ASSIGN_OR_RETURN(const bool tiles, ExpertsAsTiles(hidden, intermediate));
     DeviceMoeWeights& d_moe = out.moe;
-    // Row-major with pointers where they stay so, else only on the way to the tiles.
-    const bool keep_rows = !d_moe.tiled;
-    TV_RETURN_IF_ERROR(PackRows(moe.gate_proj, d_moe.gate, keep_rows ? &d_moe.gate_ptrs : nullptr));
-    TV_RETURN_IF_ERROR(PackRows(moe.up_proj, d_moe.up, keep_rows ? &d_moe.up_ptrs : nullptr));
-    TV_RETURN_IF_ERROR(PackRows(moe.down_proj, d_moe.down, keep_rows ? &d_moe.down_ptrs : nullptr));
-    if (d_moe.tiled) {
+    if (tiles && !moe.int4_gate.empty() && Int4Streamable(weights.config.quantization)) {
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices gate, ToDevice(moe.int4_gate));
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices up, ToDevice(moe.int4_up));
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices down, ToDevice(moe.int4_down));
+      TV_RETURN_IF_ERROR(StageInt4Experts(experts, hidden, intermediate, gate, up, down, d_moe));
+    } else {
+      // Row-major with pointers where they stay so, else only on the way to the tiles.
+      const bool keep_rows = !tiles;
       TV_RETURN_IF_ERROR(
-          TileExperts(d_moe, static_cast<int64_t>(moe.gate_proj.size()), hidden, intermediate));
+          PackRows(moe.gate_proj, d_moe.gate, keep_rows ? &d_moe.gate_ptrs : nullptr));
+      TV_RETURN_IF_ERROR(PackRows(moe.up_proj, d_moe.up, keep_rows ? &d_moe.up_ptrs : nullptr));
+      TV_RETURN_IF_ERROR(
+          PackRows(moe.down_proj, d_moe.down, keep_rows ? &d_moe.down_ptrs : nullptr));
+      if (tiles) TV_RETURN_IF_ERROR(TileExperts(d_moe, experts, hidden, intermediate));
     }
     TV_ASSIGN_OR_RETURN(out.moe.shared, ToDevice(moe.shared));
   }
@@ -221,6 +279,25 @@ class RandomTensors {
     for (int64_t e = 0; e < count; ++e) starts.push_back(packed.get() + e * rows * fan_in);
     TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
     return absl::OkStatus();
+  }
+  // `count` INT4 matrices of rows x fan_in as a checkpoint stores them: uniform nibbles, scales
+  // uniform in [-a, a) with a such that the weights' std is 1/sqrt(fan_in) (the nibbles' values
+  // -8..7 have a mean square of 21.5). One seed, as the bf16 experts take, so that later tensors
+  // (the routers) are the same in both layouts.
+  absl::StatusOr<DeviceInt4Matrices> Int4Experts(int64_t count, int64_t rows, int64_t fan_in) {
+    DeviceInt4Matrices m;
+    const uint32_t seed = ++seed_;
+    const int64_t groups =
+        (fan_in + kernels::cuda::MoeInt4Layout::kGroup - 1) / kernels::cuda::MoeInt4Layout::kGroup;
+    TV_ASSIGN_OR_RETURN(m.words,
+                        DeviceArray<uint32_t>::Allocate(count * rows * ((fan_in + 7) / 8)));
+    TV_RETURN_IF_ERROR(kernels::cuda::FillRandomBits(m.words.get(), m.words.size(), seed, nullptr));
+    TV_ASSIGN_OR_RETURN(m.scales, DeviceArray<Bf16>::Allocate(count * rows * groups));
+    const double half_width = std::sqrt(3.0 / (21.5 * static_cast<double>(fan_in)));
+    TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(m.scales.get(), m.scales.size(),
+                                                  static_cast<float>(half_width),
+                                                  seed ^ 0x9e3779b9u, nullptr));
+    return m;
   }
 
  private:
@@ -275,13 +352,25 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     }
     const int64_t local = plan.experts.size();
     const int64_t intermediate = plan.expert_intermediate.size();
-    TV_ASSIGN_OR_RETURN(moe.tiled, ExpertsAsTiles(hidden, intermediate));
+    TV_ASSIGN_OR_RETURN(const bool tiles, ExpertsAsTiles(hidden, intermediate));
+    if (tiles && Int4Streamable(c.quantization)) {
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices gate,
+                          random.Int4Experts(local, intermediate, hidden));
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices up,
+                          random.Int4Experts(local, intermediate, hidden));
+      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices down,
+                          random.Int4Experts(local, hidden, intermediate));
+      TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
+      TV_RETURN_IF_ERROR(StageInt4Experts(local, hidden, intermediate, gate, up, down, moe));
+      TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
+      continue;
+    }
     // Row-major first, from the same seeds either way, so that a benchmark's routing does not
     // depend on the layout; then the tiles where the stream reads them.
     TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.gate, moe.gate_ptrs));
     TV_RETURN_IF_ERROR(random.Experts(local, intermediate, hidden, moe.up, moe.up_ptrs));
     TV_RETURN_IF_ERROR(random.Experts(local, hidden, intermediate, moe.down, moe.down_ptrs));
-    if (moe.tiled) {
+    if (tiles) {
       TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
       for (auto* pointers : {&moe.gate_ptrs, &moe.up_ptrs, &moe.down_ptrs}) {
         *pointers = DeviceArray<const Bf16*>();

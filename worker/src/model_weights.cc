@@ -1,5 +1,6 @@
 #include "treeverify/worker/model_weights.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -103,6 +104,26 @@ absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string
                         Rows(reader, expert + "up_proj.weight", {inter, hidden}, columns));
     TV_ASSIGN_OR_RETURN(m.down_proj.emplace_back(),
                         Columns(reader, expert + "down_proj.weight", {hidden, inter}, columns));
+    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> gate,
+                        reader.ReadInt4(expert + "gate_proj.weight", {inter, hidden}, columns.begin,
+                                        columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> up,
+                        reader.ReadInt4(expert + "up_proj.weight", {inter, hidden}, columns.begin,
+                                        columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> down,
+                        reader.ReadInt4(expert + "down_proj.weight", {hidden, inter}, 0, hidden,
+                                        columns.begin, columns.end));
+    if (gate && up && down) {
+      m.int4_gate.push_back(*std::move(gate));
+      m.int4_up.push_back(*std::move(up));
+      m.int4_down.push_back(*std::move(down));
+    }
+  }
+  // Quantized for the GPU only where every held expert is.
+  if (m.int4_gate.size() != m.gate_proj.size()) {
+    m.int4_gate.clear();
+    m.int4_up.clear();
+    m.int4_down.clear();
   }
   for (size_t i = 0; i < m.gate_proj.size(); ++i) {
     m.gate_ptrs.push_back(m.gate_proj[i].data());

@@ -11,6 +11,23 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// w = (nibble - 8) x the group's scale, exact in fp32.
+std::vector<float> Dequantized(const Int4Matrix& m) {
+  const int64_t words = CeilDiv(m.cols, 8), groups = CeilDiv(m.cols, m.group_size);
+  std::vector<float> values(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    for (int64_t c = 0; c < m.cols; ++c) {
+      const uint32_t word = m.words[r * words + c / 8];
+      const int nibble = static_cast<int>((word >> (4 * (c % 8))) & 0xF);
+      const uint32_t scale_bits = uint32_t{m.scales[r * groups + c / m.group_size]} << 16;
+      float scale;
+      std::memcpy(&scale, &scale_bits, 4);
+      values[r * m.cols + c] = static_cast<float>(nibble - 8) * scale;
+    }
+  }
+  return values;
+}
+
 // A slice boundary must fall on a block edge, or at the tensor's end.
 absl::Status CheckAligned(const std::string& name, const char* what, int64_t begin, int64_t end,
                           int64_t size, int64_t block, const char* unit) {
@@ -79,7 +96,8 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
         return absl::InvalidArgumentError(
             absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
       }
-      return Int4(prefix, shape, r0, r1, c0, c1);
+      TV_ASSIGN_OR_RETURN(const Int4Matrix stored, Int4(prefix, shape, r0, r1, c0, c1));
+      return Dequantized(stored);
     }
   }
   if (rows) return checkpoint_.ReadRows(name, shape, r0, r1);
@@ -115,9 +133,9 @@ absl::StatusOr<std::vector<float>> WeightReader::Fp8(const std::string& name,
   return values;
 }
 
-absl::StatusOr<std::vector<float>> WeightReader::Int4(const std::string& prefix,
-                                                      const std::vector<int64_t>& shape, int64_t r0,
-                                                      int64_t r1, int64_t c0, int64_t c1) const {
+absl::StatusOr<Int4Matrix> WeightReader::Int4(const std::string& prefix,
+                                              const std::vector<int64_t>& shape, int64_t r0,
+                                              int64_t r1, int64_t c0, int64_t c1) const {
   const int64_t out = shape[0], in = shape[1];
   const int64_t group = quantization_.group_size;
   // The shape the checkpoint records for the weight must be the one the model expects.
@@ -152,24 +170,75 @@ absl::StatusOr<std::vector<float>> WeightReader::Int4(const std::string& prefix,
                                                    ShapeString(packed_info.shape)));
   }
   TV_RETURN_IF_ERROR(CheckAligned(prefix + ".weight", "columns", c0, c1, in, group, "group"));
+  // The format's scales are BF16; their bits are kept as stored.
+  const std::string scale_name = prefix + ".weight_scale";
+  TV_ASSIGN_OR_RETURN(TensorInfo scale_info, checkpoint_.Info(scale_name));
+  if (scale_info.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(scale_name, " must be BF16"));
+  }
   TV_ASSIGN_OR_RETURN(std::vector<float> scales,
-                      checkpoint_.Read(prefix + ".weight_scale", {out, CeilDiv(in, group)}));
+                      checkpoint_.Read(scale_name, {out, CeilDiv(in, group)}));
   TV_ASSIGN_OR_RETURN(const uint8_t* packed, checkpoint_.RawData(packed_name));
   const int64_t words = packed_shape[1];
   const int64_t groups = CeilDiv(in, group);
-  std::vector<float> values(static_cast<size_t>((r1 - r0) * (c1 - c0)));
+  Int4Matrix slice{.rows = r1 - r0, .cols = c1 - c0, .group_size = group};
+  const int64_t slice_words = CeilDiv(slice.cols, 8), slice_groups = CeilDiv(slice.cols, group);
+  slice.words.assign(static_cast<size_t>(slice.rows * slice_words), 0);
+  slice.scales.resize(static_cast<size_t>(slice.rows * slice_groups));
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = packed + r * words * 4;
-    const float* row_scales = scales.data() + r * groups;
-    float* destination = values.data() + (r - r0) * (c1 - c0);
-    for (int64_t c = c0; c < c1; ++c) {
-      uint32_t word;
-      std::memcpy(&word, row + (c / 8) * 4, 4);
-      const int nibble = static_cast<int>((word >> (4 * (c % 8))) & 0xF);
-      destination[c - c0] = static_cast<float>(nibble - 8) * row_scales[c / group];
+    uint32_t* destination = slice.words.data() + (r - r0) * slice_words;
+    if (c0 % 8 == 0) {
+      std::memcpy(destination, row + c0 / 8 * 4, static_cast<size_t>(slice_words) * 4);
+    } else {
+      for (int64_t c = c0; c < c1; ++c) {
+        uint32_t word;
+        std::memcpy(&word, row + (c / 8) * 4, 4);
+        const uint32_t nibble = (word >> (4 * (c % 8))) & 0xF;
+        destination[(c - c0) / 8] |= nibble << (4 * ((c - c0) % 8));
+      }
+    }
+    // Nibbles of the last word past the slice's end are the stored value of zero.
+    const int64_t tail = slice.cols % 8;
+    if (tail != 0) {
+      uint32_t& last = destination[slice_words - 1];
+      const uint32_t kept = (uint32_t{1} << (4 * tail)) - 1;
+      last = (last & kept) | (0x88888888u & ~kept);
+    }
+    for (int64_t g = 0; g < slice_groups; ++g) {
+      // bf16 values read as fp32 are exact: their bits are the top half.
+      uint32_t bits;
+      std::memcpy(&bits, &scales[r * groups + c0 / group + g], 4);
+      slice.scales[(r - r0) * slice_groups + g] = static_cast<uint16_t>(bits >> 16);
     }
   }
-  return values;
+  return slice;
+}
+
+absl::StatusOr<std::optional<Int4Matrix>> WeightReader::ReadInt4(const std::string& name,
+                                                                 const std::vector<int64_t>& shape,
+                                                                 int64_t r0, int64_t r1, int64_t c0,
+                                                                 int64_t c1) const {
+  const std::string suffix = ".weight";
+  if (name.size() <= suffix.size() ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return std::nullopt;
+  }
+  const std::string prefix = name.substr(0, name.size() - suffix.size());
+  if (checkpoint_.Has(name) || !checkpoint_.Has(prefix + ".weight_packed")) return std::nullopt;
+  if (quantization_.method != WeightQuantization::Method::kInt4Group) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix,
+                     ".weight_packed is int4, but config.json's quantization_config does not say "
+                     "compressed-tensors pack-quantized"));
+  }
+  if (shape.size() != 2 || r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 ||
+      c1 > shape[1]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
+  }
+  TV_ASSIGN_OR_RETURN(Int4Matrix slice, Int4(prefix, shape, r0, r1, c0, c1));
+  return slice;
 }
 
 }  // namespace treeverify::worker

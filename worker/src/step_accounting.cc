@@ -82,9 +82,11 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
       const double active =
           l < static_cast<int64_t>(shape.active_experts.size()) ? shape.active_experts[l] : 0;
       layer += c.n_routed_experts * hidden;  // router
-      layer += active * 3.0 * hidden * static_cast<double>(plan.expert_intermediate.size());
       layer += 3.0 * hidden * static_cast<double>(plan.shared_intermediate.size());
-      moe += layer * weight + c.n_routed_experts * 4.0;  // + the fp32 correction bias
+      const double experts =
+          active * 3.0 * hidden * static_cast<double>(plan.expert_intermediate.size());
+      // + the fp32 correction bias
+      moe += layer * weight + experts * shape.expert_weight_bytes + c.n_routed_experts * 4.0;
     } else {
       layer += 3.0 * hidden * static_cast<double>(plan.dense_intermediate.size());
       moe += layer * weight;

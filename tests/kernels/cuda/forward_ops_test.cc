@@ -24,6 +24,7 @@
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/cuda/rms_norm.h"
@@ -1013,6 +1014,176 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
   }
 }
 
+// One kind of matrix (gate, up or down) of every expert, INT4 as a checkpoint stores it (random
+// nibbles, bf16 scales per group of 32 columns), and its dequantized values.
+struct Int4Matrices {
+  std::vector<uint32_t> words;                  // [experts, rows, ceil(cols / 8)]
+  std::vector<Bf16> scales;                     // [experts, rows, ceil(cols / 32)]
+  std::vector<std::vector<float>> dequantized;  // per expert [rows, cols]: (nibble - 8) x scale
+};
+
+Int4Matrices RandomInt4(std::mt19937& rng, int32_t experts, int64_t rows, int64_t cols) {
+  Int4Matrices m;
+  const int64_t words = (cols + 7) / 8, groups = (cols + 31) / 32;
+  std::uniform_int_distribution<uint32_t> bits;
+  // Weights of std about 1/sqrt(cols): the nibbles' values have an rms of 4.6.
+  std::normal_distribution<float> scale(0.0f, 1.0f / (4.6f * std::sqrt(static_cast<float>(cols))));
+  for (int32_t e = 0; e < experts; ++e) {
+    std::vector<float>& values = m.dequantized.emplace_back(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t row_words = m.words.size(), row_scales = m.scales.size();
+      for (int64_t j = 0; j < words; ++j) m.words.push_back(bits(rng));
+      for (int64_t g = 0; g < groups; ++g) m.scales.push_back(__float2bfloat16_rn(scale(rng)));
+      for (int64_t c = 0; c < cols; ++c) {
+        const int nibble = static_cast<int>(m.words[row_words + c / 8] >> (4 * (c % 8)) & 0xF);
+        values[r * cols + c] =
+            static_cast<float>(nibble - 8) * __bfloat162float(m.scales[row_scales + c / 32]);
+      }
+    }
+  }
+  return m;
+}
+
+// INT4 experts (moe_int4_tiles.h, W4A16) stream, bit for bit, the sums of the bf16 tiles of their
+// dequantized weights (the bf16 a loader rounds them to), and so are close to the CPU backend on
+// the dequantized fp32 weights: at shapes whose groups, chunks and row tiles end part way (a
+// scale of a partial group, nibbles past the matrix), with more than a token group per expert,
+// at few pairs (reductions in parts), at a Kimi-K2 rank's shape, and at prefill sizes (where the
+// bf16 experts take the grouped GEMM and INT4 ones still stream: close to the CPU only).
+TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
+  if (device_.compute_capability_major < 9) {
+    GTEST_SKIP() << "GPU test skipped: INT4 experts stream on sm_90 and later";
+  }
+  struct Case {
+    int64_t tokens;
+    int32_t experts, top_k;
+    int64_t hidden, intermediate;
+  };
+  const unsigned seed = 4096;
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const Case& c : {Case{16, 8, 4, 256, 64}, Case{40, 8, 6, 232, 72}, Case{3, 16, 8, 7168, 256},
+                        Case{600, 16, 4, 128, 64}}) {
+    SCOPED_TRACE(testing::Message() << c.tokens << " tokens, " << c.experts << " experts, hidden "
+                                    << c.hidden << ", intermediate " << c.intermediate);
+    const Int4Matrices gate = RandomInt4(rng, c.experts, c.intermediate, c.hidden);
+    const Int4Matrices up = RandomInt4(rng, c.experts, c.intermediate, c.hidden);
+    const Int4Matrices down = RandomInt4(rng, c.experts, c.hidden, c.intermediate);
+    const std::vector<float> x = RoundToBf16(Random(rng, c.tokens * c.hidden));
+    std::vector<int32_t> ids;
+    std::vector<float> topk_weights;
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      std::vector<int32_t> all(c.experts);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::sort(all.begin(), all.begin() + c.top_k);
+      ids.insert(ids.end(), all.begin(), all.begin() + c.top_k);
+      for (int32_t j = 0; j < c.top_k; ++j) {
+        topk_weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+      }
+    }
+    std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;
+    for (int32_t e = 0; e < c.experts; ++e) {
+      gate_ptrs.push_back(gate.dequantized[e].data());
+      up_ptrs.push_back(up.dequantized[e].data());
+      down_ptrs.push_back(down.dequantized[e].data());
+    }
+    std::vector<float> expected(c.tokens * c.hidden);
+    ASSERT_TRUE(cpu::MoeExperts({.x = x.data(),
+                                 .topk_ids = ids.data(),
+                                 .topk_weights = topk_weights.data(),
+                                 .gate_proj = gate_ptrs.data(),
+                                 .up_proj = up_ptrs.data(),
+                                 .down_proj = down_ptrs.data(),
+                                 .out = expected.data(),
+                                 .tokens = c.tokens,
+                                 .top_k = c.top_k,
+                                 .hidden = c.hidden,
+                                 .intermediate = c.intermediate,
+                                 .num_local_experts = c.experts})
+                    .ok());
+
+    // The INT4 stages, packed on the device from the checkpoint's layout.
+    const MoeInt4Layout int4_gate_up = Int4GateUpLayout(c.intermediate, c.hidden);
+    const MoeInt4Layout int4_down = Int4DownLayout(c.hidden, c.intermediate);
+    DeviceBuffer<uint32_t> d_gate_words(gate.words.size()), d_up_words(up.words.size()),
+        d_down_words(down.words.size());
+    DeviceBuffer<Bf16> d_gate_scales(gate.scales.size()), d_up_scales(up.scales.size()),
+        d_down_scales(down.scales.size());
+    d_gate_words.CopyFrom(gate.words);
+    d_up_words.CopyFrom(up.words);
+    d_down_words.CopyFrom(down.words);
+    d_gate_scales.CopyFrom(gate.scales);
+    d_up_scales.CopyFrom(up.scales);
+    d_down_scales.CopyFrom(down.scales);
+    DeviceBuffer<uint8_t> d_int4_gate_up(c.experts * int4_gate_up.ExpertBytes()),
+        d_int4_down(c.experts * int4_down.ExpertBytes());
+    ASSERT_TRUE(PackInt4ExpertTilesOnDevice({d_gate_words.get(), d_up_words.get()},
+                                            {d_gate_scales.get(), d_up_scales.get()}, c.experts,
+                                            int4_gate_up, d_int4_gate_up.get(), nullptr)
+                    .ok());
+    ASSERT_TRUE(PackInt4ExpertTilesOnDevice({d_down_words.get(), nullptr},
+                                            {d_down_scales.get(), nullptr}, c.experts, int4_down,
+                                            d_int4_down.get(), nullptr)
+                    .ok());
+    // The bf16 tiles of the dequantized weights.
+    const MoeTileLayout gate_up_layout = GateUpTileLayout(c.intermediate, c.hidden);
+    const MoeTileLayout down_layout = DownTileLayout(c.hidden, c.intermediate);
+    DeviceBuffer<Bf16> d_gate_up_tiles(c.experts * gate_up_layout.ExpertElements()),
+        d_down_tiles(c.experts * down_layout.ExpertElements());
+    d_gate_up_tiles.CopyFrom(
+        PackExpertTiles(c.experts, gate_up_layout, [&](int m, int64_t e, int64_t r, int64_t col) {
+          return (m == 0 ? gate : up).dequantized[e][r * c.hidden + col];
+        }));
+    d_down_tiles.CopyFrom(
+        PackExpertTiles(c.experts, down_layout, [&](int, int64_t e, int64_t r, int64_t col) {
+          return down.dequantized[e][r * c.intermediate + col];
+        }));
+
+    DeviceBuffer<Bf16> d_x(x.size());
+    d_x.CopyFrom(ToBf16(x));
+    DeviceBuffer<int32_t> d_ids(ids.size());
+    DeviceBuffer<float> d_topk_weights(topk_weights.size()), d_out(expected.size());
+    d_ids.CopyFrom(ids);
+    d_topk_weights.CopyFrom(topk_weights);
+    const int64_t bytes =
+        MoeExpertsWorkspaceBytes(c.tokens, c.top_k, c.experts, c.intermediate, c.hidden);
+    DeviceBuffer<uint8_t> workspace(bytes);
+    ASSERT_EQ(cudaMemset(workspace.get(), 0, bytes), cudaSuccess);
+    const MoeExpertsParamsOf<Bf16, Bf16> int4{.x = d_x.get(),
+                                              .topk_ids = d_ids.get(),
+                                              .topk_weights = d_topk_weights.get(),
+                                              .out = d_out.get(),
+                                              .tokens = c.tokens,
+                                              .top_k = c.top_k,
+                                              .hidden = c.hidden,
+                                              .intermediate = c.intermediate,
+                                              .num_local_experts = c.experts,
+                                              .int4_gate_up = d_int4_gate_up.get(),
+                                              .int4_down = d_int4_down.get()};
+    ASSERT_TRUE(MoeExperts(int4, workspace.get(), bytes, nullptr).ok());
+    const std::vector<float> streamed = d_out.ToHost();
+    double scale_out = 0.0;
+    for (float v : expected) scale_out = std::max(scale_out, double{std::abs(v)});
+    ExpectClose(streamed, expected, 2 * kBf16Relative, 0.01f * scale_out, "INT4 experts");
+    ASSERT_TRUE(MoeExperts(int4, workspace.get(), bytes, nullptr).ok());
+    EXPECT_EQ(d_out.ToHost(), streamed) << "a second launch";
+
+    MoeExpertsParamsOf<Bf16, Bf16> bf16 = int4;
+    bf16.int4_gate_up = bf16.int4_down = nullptr;
+    bf16.packed_gate = d_gate_up_tiles.get();
+    bf16.packed_up = d_gate_up_tiles.get() + gate_up_layout.TileElements();
+    bf16.packed_down = d_down_tiles.get();
+    ASSERT_TRUE(MoeExperts(bf16, workspace.get(), bytes, nullptr).ok());
+    const std::vector<float> tiles = d_out.ToHost();
+    if (c.tokens < 512) {  // both stream: the same sums
+      EXPECT_EQ(streamed, tiles) << "the bf16 stream of the dequantized weights";
+    } else {  // the bf16 experts took the grouped GEMM
+      ExpectClose(tiles, expected, 2 * kBf16Relative, 0.01f * scale_out, "bf16 GEMM");
+    }
+  }
+}
+
 // The routing's last block groups the pairs (MoeRoutingAndGrouping) exactly as MoeExperts' own
 // grouping does: the same ids, weights, active count and output bytes as routing then MoeExperts
 // on a workspace of its own, launch after launch on new logits (the block count back at zero
@@ -1318,6 +1489,25 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   const absl::Status not_interleaved = MoeExperts(apart, workspace, needed, nullptr);
   EXPECT_EQ(not_interleaved.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(not_interleaved.message()), testing::HasSubstr("interleaved"));
+  alignas(16) static uint8_t int4_stages[32];
+  MoeExpertsParamsOf<Bf16, Bf16> int4_and_bf16 = experts;  // INT4 stages come alone
+  int4_and_bf16.int4_gate_up = int4_and_bf16.int4_down = int4_stages;
+  EXPECT_EQ(MoeExperts(int4_and_bf16, workspace, needed, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  MoeExpertsParamsOf<Bf16, Bf16> int4_half = experts;  // gate/up without down
+  int4_half.gate_proj = int4_half.up_proj = int4_half.down_proj = nullptr;
+  int4_half.int4_gate_up = int4_stages;
+  EXPECT_EQ(MoeExperts(int4_half, workspace, needed, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  MoeExpertsParamsOf<Bf16, Bf16> int4_unaligned = int4_half;
+  int4_unaligned.int4_down = int4_stages + 8;
+  const absl::Status unaligned = MoeExperts(int4_unaligned, workspace, needed, nullptr);
+  EXPECT_EQ(unaligned.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unaligned.message()), testing::HasSubstr("16-byte aligned"));
+  EXPECT_EQ(PackInt4ExpertTilesOnDevice({nullptr, nullptr}, {nullptr, nullptr}, 1,
+                                        Int4GateUpLayout(64, 64), int4_stages, nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   MoeExpertsParamsOf<Bf16, Bf16> too_many = experts;
   too_many.tokens = 65536;  // the combine's grid
   EXPECT_EQ(MoeExperts(too_many, workspace, 256, nullptr).code(),

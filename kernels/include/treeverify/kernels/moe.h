@@ -71,6 +71,11 @@ struct MoeExpertsParamsOf {
   const Weight* packed_gate = nullptr;
   const Weight* packed_up = nullptr;
   const Weight* packed_down = nullptr;
+  // GPU only, optional, instead of all the above: INT4 experts as the weight stream's stages
+  // (treeverify/kernels/cuda/moe_int4_tiles.h: Int4GateUpLayout, Int4DownLayout), dequantized in
+  // registers.
+  const uint8_t* int4_gate_up = nullptr;
+  const uint8_t* int4_down = nullptr;
 };
 using MoeExpertsParams = MoeExpertsParamsOf<float, float>;
 

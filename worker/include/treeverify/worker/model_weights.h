@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "treeverify/worker/model_config.h"
+#include "treeverify/worker/quantized_weights.h"
 #include "treeverify/worker/sharding_plan.h"
 
 namespace treeverify::worker {
@@ -44,7 +45,11 @@ struct MoeWeights {
   // [hidden, intermediate] each.
   std::vector<std::vector<float>> gate_proj, up_proj, down_proj;
   std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;  // into the vectors above
-  MlpWeights shared;                                        // intermediate 0 without shared
+  // Where the checkpoint stores every held expert INT4 (Kimi-K2-Thinking), the same slices as
+  // stored, for the GPU's quantized expert stream (the vectors above hold their dequantized
+  // values, the CPU backend's); empty otherwise.
+  std::vector<Int4Matrix> int4_gate, int4_up, int4_down;
+  MlpWeights shared;  // intermediate 0 without shared
 };
 
 struct LayerWeights {

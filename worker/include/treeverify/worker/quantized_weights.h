@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,15 @@
 #include "treeverify/worker/weight_quantization.h"
 
 namespace treeverify::worker {
+
+// A slice of an INT4 weight as the checkpoint stores it, for a backend that computes on the
+// quantized form (the GPU's expert stream).
+struct Int4Matrix {
+  int64_t rows = 0, cols = 0;    // of the slice
+  int64_t group_size = 32;       // columns per scale
+  std::vector<uint32_t> words;   // [rows, ceil(cols / 8)]: column 8j + i in bits 4i.. of word j, +8
+  std::vector<uint16_t> scales;  // bf16 bits, [rows, ceil(cols / group_size)]
+};
 
 class WeightReader {
  public:
@@ -46,6 +56,13 @@ class WeightReader {
                                                  const std::vector<int64_t>& shape,
                                                  int64_t col_begin, int64_t col_end) const;
 
+  // Rows [r0, r1) x columns [c0, c1) of the INT4 weight `name` (`<p>.weight`, stored as
+  // `<p>.weight_packed` with its scales) as stored, checked as Read checks it; nullopt where the
+  // checkpoint stores `name` otherwise. Read of the same slice is this, dequantized.
+  absl::StatusOr<std::optional<Int4Matrix>> ReadInt4(const std::string& name,
+                                                     const std::vector<int64_t>& shape, int64_t r0,
+                                                     int64_t r1, int64_t c0, int64_t c1) const;
+
   const WeightQuantization& quantization() const { return quantization_; }
 
  private:
@@ -58,9 +75,8 @@ class WeightReader {
   absl::StatusOr<std::vector<float>> Fp8(const std::string& name, const TensorInfo& info,
                                          const std::vector<int64_t>& shape, int64_t r0, int64_t r1,
                                          int64_t c0, int64_t c1) const;
-  absl::StatusOr<std::vector<float>> Int4(const std::string& prefix,
-                                          const std::vector<int64_t>& shape, int64_t r0, int64_t r1,
-                                          int64_t c0, int64_t c1) const;
+  absl::StatusOr<Int4Matrix> Int4(const std::string& prefix, const std::vector<int64_t>& shape,
+                                  int64_t r0, int64_t r1, int64_t c0, int64_t c1) const;
 
   const Checkpoint& checkpoint_;
   const WeightQuantization quantization_;

@@ -72,6 +72,9 @@ struct StepShape {
   // Bytes per weight and per KV element: bf16 on the GPU backend, fp32 on the CPU backend.
   double weight_bytes = 2.0;
   double kv_bytes = 2.0;
+  // The routed experts' bytes per weight as stored: weight_bytes, or 9/16 for INT4 groups of 32
+  // (half a byte and a bf16 scale per 32 weights).
+  double expert_weight_bytes = 2.0;
 };
 
 // Fills the modeled_bytes of every phase.

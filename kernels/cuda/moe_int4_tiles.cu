@@ -1,0 +1,113 @@
+// The checkpoint's INT4 experts into the weight stream's stages on the device
+// (moe_int4_tiles.h): a thread per 32-bit word of a stage, nibbles or scales, gathered from the
+// checkpoint's rows.
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "treeverify/kernels/cuda/cuda_status.h"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
+
+namespace treeverify::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kStageWords = MoeInt4Layout::kStageBytes / 4;
+constexpr int64_t kNibbleWords = MoeInt4Layout::kWordBytes / 4;
+constexpr uint32_t kZeroNibble = 8;
+
+struct Sources {
+  const uint32_t* words[2];
+  const uint16_t* scales[2];  // bf16 bits
+};
+
+__global__ void __launch_bounds__(kThreads)
+    PackInt4Kernel(Sources in, int64_t total_words, MoeInt4Layout layout,
+                   uint32_t* __restrict__ tiles) {
+  const int64_t index = blockIdx.x * int64_t{kThreads} + threadIdx.x;
+  if (index >= total_words) return;
+  const int64_t stage = index / kStageWords, within = index % kStageWords;
+  const int64_t chunk = stage % layout.Chunks();
+  const int64_t row_tile = stage / layout.Chunks() % layout.RowTiles();
+  const int64_t expert = stage / (layout.Chunks() * layout.RowTiles());
+  const int64_t words_per_row = (layout.cols + 7) / 8;
+  const int64_t groups_per_row = (layout.cols + MoeInt4Layout::kGroup - 1) / MoeInt4Layout::kGroup;
+  // Row `r` of the stage's row tile as a row of the experts' checkpoint tensors, one expert after
+  // another (or -1 past the matrix).
+  auto source_row = [&](int64_t r) -> int64_t {
+    const int64_t row = row_tile * layout.TileRows() + r;
+    return row < layout.rows ? (expert * layout.rows + row) : -1;
+  };
+  uint32_t value = 0;
+  if (within < kNibbleWords) {
+    const int w = static_cast<int>(within / 128), lane = static_cast<int>(within / 4 % 32);
+    const int k = static_cast<int>(within % 4);
+    const int g = lane / 4, q = lane % 4;
+    for (int p = 0; p < 4; ++p) {
+      const int i = g + 8 * (p % 2);  // fragment row: p = 0, 2 row g; p = 1, 3 row g + 8
+      for (int half = 0; half < 2; ++half) {
+        const int64_t col = chunk * MoeInt4Layout::kColumns + 16 * k + 2 * q + 8 * (p / 2) + half;
+        const int m = layout.FragmentMatrix(i);
+        const int64_t row = source_row(layout.FragmentRow(w, i));
+        uint32_t nibble = kZeroNibble;
+        if (row >= 0 && col < layout.cols) {
+          nibble = in.words[m][row * words_per_row + col / 8] >> (4 * (col % 8)) & 0xF;
+        }
+        value |= nibble << (4 * p + 16 * half);
+      }
+    }
+  } else {
+    const int64_t s = within - kNibbleWords;  // ((w * 8 + g) * 2 + group)
+    const int group = static_cast<int>(s % 2), g = static_cast<int>(s / 2 % 8);
+    const int w = static_cast<int>(s / 16);
+    const int64_t column_group = chunk * (MoeInt4Layout::kColumns / MoeInt4Layout::kGroup) + group;
+    for (int half = 0; half < 2; ++half) {
+      const int i = g + 8 * half;
+      const int m = layout.FragmentMatrix(i);
+      const int64_t row = source_row(layout.FragmentRow(w, i));
+      uint32_t bits = 0;  // a scale of +0 past the matrix
+      if (row >= 0 && column_group < groups_per_row) {
+        bits = in.scales[m][row * groups_per_row + column_group];
+      }
+      value |= bits << (16 * half);
+    }
+  }
+  tiles[index] = value;
+}
+
+}  // namespace
+
+absl::Status PackInt4ExpertTilesOnDevice(const std::array<const uint32_t*, 2>& words,
+                                         const std::array<const Bf16*, 2>& scales, int64_t experts,
+                                         const MoeInt4Layout& layout, uint8_t* tiles,
+                                         cudaStream_t stream) {
+  const int matrices = layout.gate_up ? 2 : 1;
+  if (experts < 0 || layout.rows <= 0 || layout.cols <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda::PackInt4ExpertTilesOnDevice: experts=", experts, " rows=", layout.rows,
+                     " cols=", layout.cols));
+  }
+  for (int m = 0; m < matrices; ++m) {
+    if (words[m] == nullptr || scales[m] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda::PackInt4ExpertTilesOnDevice: matrix ",
+                                                     m, " of ", matrices,
+                                                     " has no words or scales"));
+    }
+  }
+  if (tiles == nullptr || reinterpret_cast<uintptr_t>(tiles) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        "cuda::PackInt4ExpertTilesOnDevice: tiles must be non-null and 16-byte aligned");
+  }
+  const int64_t total_words = experts * layout.ExpertBytes() / 4;
+  if (total_words == 0) return absl::OkStatus();
+  Sources in{};
+  for (int m = 0; m < matrices; ++m) {
+    in.words[m] = words[m];
+    in.scales[m] = reinterpret_cast<const uint16_t*>(scales[m]);
+  }
+  const int64_t blocks = (total_words + kThreads - 1) / kThreads;
+  PackInt4Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      in, total_words, layout, reinterpret_cast<uint32_t*>(tiles));
+  return CudaStatus(cudaGetLastError(), "PackInt4Kernel launch");
+}
+
+}  // namespace treeverify::kernels::cuda
