@@ -232,6 +232,59 @@ TEST_F(QuantizedWeightsTest, Int4GroupsDequantizeWholeAndInSlices) {
   }
 }
 
+// ReadInt4 gives the slice as stored (for the GPU's quantized stream): each element's nibble and
+// its group's bf16 scale dequantize to Read's value; nibbles past the slice's end in its last
+// word are the stored zero (8); plain tensors are not INT4 (nullopt); scales other than BF16 are
+// refused.
+TEST_F(QuantizedWeightsTest, Int4SlicesReadAsStored) {
+  const int64_t out = 19, in = 100;
+  const Int4Weight w = MakeInt4(out, in, true, 13);
+  std::vector<RawTensor> tensors = w.tensors;
+  tensors.push_back({"n.weight", "F32", {2}, Bytes(std::vector<float>{1.f, 2.f})});
+  auto checkpoint = Open(tensors);
+  ASSERT_NE(checkpoint, nullptr);
+  const WeightReader reader(*checkpoint, kInt4);
+  struct Slice {
+    int64_t r0, r1, c0, c1;
+  };
+  for (const Slice& s :
+       {Slice{0, out, 0, in}, Slice{3, 10, 0, in}, Slice{0, out, 32, 100}, Slice{5, 6, 64, 96}}) {
+    SCOPED_TRACE(testing::Message() << "rows [" << s.r0 << ", " << s.r1 << ") columns [" << s.c0
+                                    << ", " << s.c1 << ")");
+    auto stored = reader.ReadInt4("e.weight", {out, in}, s.r0, s.r1, s.c0, s.c1);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    ASSERT_TRUE(stored->has_value());
+    const Int4Matrix& m = **stored;
+    const int64_t cols = s.c1 - s.c0, words = (cols + 7) / 8, groups = (cols + 31) / 32;
+    ASSERT_EQ(m.rows, s.r1 - s.r0);
+    ASSERT_EQ(m.cols, cols);
+    ASSERT_EQ(m.words.size(), static_cast<size_t>(m.rows * words));
+    ASSERT_EQ(m.scales.size(), static_cast<size_t>(m.rows * groups));
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t c = 0; c < words * 8; ++c) {
+        const int nibble = static_cast<int>(m.words[r * words + c / 8] >> (4 * (c % 8)) & 0xF);
+        if (c >= cols) {
+          EXPECT_EQ(nibble, 8) << "past the end, row " << r << ", column " << c;
+          continue;
+        }
+        const float value =
+            static_cast<float>(nibble - 8) * Bf16ToFloat(m.scales[r * groups + c / 32]);
+        ASSERT_EQ(value, w.expected[(s.r0 + r) * in + s.c0 + c]) << r << ", " << c;
+      }
+    }
+  }
+  auto plain = reader.ReadInt4("n.weight", {1, 2}, 0, 1, 0, 2);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->has_value());
+  std::vector<RawTensor> f32_scales = w.tensors;
+  std::vector<float> scales(out * 4, 0.5f);
+  f32_scales[1] = {"e.weight_scale", "F32", {out, 4}, Bytes(scales)};
+  auto other = Open(f32_scales);
+  ASSERT_NE(other, nullptr);
+  EXPECT_THAT(WeightReader(*other, kInt4).Read("e.weight", {out, in}).status().message(),
+              HasSubstr("e.weight_scale must be BF16"));
+}
+
 TEST_F(QuantizedWeightsTest, Int4ShapeMismatchesAndMissingConfigAreRefused) {
   const Int4Weight w = MakeInt4(8, 64, true, 12);
   auto checkpoint = Open(w.tensors);
