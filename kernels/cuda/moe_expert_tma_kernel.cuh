@@ -28,10 +28,10 @@
 // how they are stored and how a consumer makes its A fragments of them:
 // - Bf16Stage (treeverify/kernels/cuda/moe_tiles.h): 16 KB a stage (a down tile, or a gate tile
 //   and the same tile of up), already in the 128-byte swizzle, read by ldmatrix.
-// - Int4Stage (treeverify/kernels/cuda/moe_int4_tiles.h): 4 KB of nibbles and 512 bytes of group
-//   scales a stage, each thread's fragments of a stage one 16-byte load, dequantized in registers
-//   to the bf16 a loader would have rounded them to: W4A16 with the bf16 stream's sums, bit for
-//   bit, at 28 % of its bytes.
+// - Int4Stage (treeverify/kernels/cuda/moe_int4_tiles.h): four records a stage, each 4 KB of
+//   nibbles and 512 bytes of group scales, each thread's fragments of a record one 16-byte load,
+//   dequantized in registers to the bf16 a loader would have rounded them to: W4A16 with the bf16
+//   stream's products at 28 % of its bytes.
 // Rows past an expert's and columns past the reduction's end are zeros in the stages; the token
 // rows' columns past it are cp.async's zero fill.
 #pragma once
@@ -56,23 +56,33 @@ namespace treeverify::kernels::cuda::moe {
 inline constexpr int kTmaConsumerWarps = 8;
 inline constexpr int kTmaThreads = (kTmaConsumerWarps + 1) * 32;  // + the producer warp
 inline constexpr int kTmaRows = 16 * kTmaConsumerWarps;           // weight rows per stage
-inline constexpr int kTmaCols = 64;    // reduction columns per stage: one 128-byte swizzled row
+// Reduction columns per record: one 128-byte swizzled row of bf16 tokens. A stage is one record
+// of bf16 weights or several of INT4 ones.
+inline constexpr int kTmaCols = 64;
 inline constexpr int kTmaTokens = 32;  // token rows per group: four mma passes of 8
 inline constexpr int kTmaPasses = kTmaTokens / 8;
-inline constexpr int kTmaTokenBytes = kTmaTokens * kTmaCols * 2;  // a stage's token rows
+inline constexpr int kTmaTokenBytes = kTmaTokens * kTmaCols * 2;  // a record's token rows
 // ReductionParts counts the items and stages so.
 static_assert(kTmaRows / 2 == kGateUpTileRows && kTmaRows == kDownTileRows);
 static_assert(kTmaCols == kStageColumns);
 
-// A stage of bf16 tiles (moe_tiles.h): the weights, then the token rows. Slots start at multiples
-// of 1024 bytes, and so do the token rows, so that each 8-row period of the 128-byte swizzle
-// covers the 32 banks once (ldmatrix without conflicts); the swizzle is relative to the slot.
+// A stage format says how many records (kTmaCols columns of kTmaRows rows each) a stage holds,
+// their bytes, and how a consumer makes its A fragments of one. A slot holds the stage's records
+// (kWeightBytes, one bulk copy: an item's records are consecutive in memory), then each record's
+// token rows (kTmaTokenBytes each) from kTokenOffset. Slots start at multiples of 1024 bytes, and
+// so do the token rows, so that each 8-row period of the 128-byte swizzle covers the 32 banks once
+// (ldmatrix without conflicts); the swizzle is relative to its 1024 bytes.
+
+// bf16 tiles (moe_tiles.h): one 16 KB tile a stage.
 template <bool kIsGateUp>
 struct Bf16Stage {
   static constexpr bool kGateUp = kIsGateUp;
-  static constexpr int kWeightBytes = kTmaRows * kTmaCols * 2;  // 16 KB
+  static constexpr int kRecords = 1;
+  static constexpr int kRecordBytes = kTmaRows * kTmaCols * 2;  // 16 KB
+  static constexpr int kColumns = kRecords * kTmaCols;
+  static constexpr int kWeightBytes = kRecords * kRecordBytes;
   static constexpr int kTokenOffset = kWeightBytes;
-  static constexpr int kBytes = kTokenOffset + kTmaTokenBytes;
+  static constexpr int kBytes = kTokenOffset + kRecords * kTmaTokenBytes;
   static constexpr int kMaxSlots = 8;
   static_assert(GateUpTileLayout(0, 0).tile_rows == kTmaRows / 2 &&
                 DownTileLayout(0, 0).tile_rows == kTmaRows && MoeTileLayout::kColumns == kTmaCols);
@@ -81,14 +91,14 @@ struct Bf16Stage {
       : base_(kGateUp ? p.packed_gate : p.packed_down),
         layout_(kGateUp ? GateUpTileLayout(p.intermediate, p.hidden)
                         : DownTileLayout(p.hidden, p.intermediate)) {}
-  // Where the stage (row tile, chunk of kTmaCols columns) of `expert` is; gate/up: the gate tile
+  // Where the record (row tile, chunk of kTmaCols columns) of `expert` is; gate/up: the gate tile
   // and, right after it, the same tile of up.
   __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
     return base_ + layout_.TileOffset(expert, tile, chunk);
   }
 
-  // A consumer warp's A fragments of a stage's weights: its 16 fragment rows (gate/up: 8 of gate
-  // over the same 8 of up) at lane l's ldmatrix address.
+  // A consumer warp's A fragments of a record: its 16 fragment rows (gate/up: 8 of gate over the
+  // same 8 of up) at lane l's ldmatrix address.
   class Fragments {
    public:
     __device__ Fragments(const uint8_t* weights, int warp, int lane)
@@ -127,28 +137,41 @@ __device__ __forceinline__ To BitCast(From from) {
 inline constexpr uint32_t kInt4Magic = 0x43004300u;
 inline constexpr uint32_t kInt4Offset = 0x43084308u;  // bf16 136 twice: 128 + the stored + 8
 
+// (a & b) | c in one instruction: with b and c in registers (constants are materialised once), not
+// immediates, of which a LOP3 takes one (C's `&` then `|` compiled to two).
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // bf16((n - 8) x scale) for the pair of nibbles at bits 0-3 and 16-19 of `shifted`: the
 // subtraction is exact and the multiply rounds once, as a loader rounding the fp32 weight would.
 __device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_t scale_pair) {
-  const uint32_t biased = (shifted & 0x000f000fu) | kInt4Magic;
+  const uint32_t biased = AndOr(shifted, 0x000f000fu, kInt4Magic);
   const __nv_bfloat162 value =
       __hmul2(__hsub2(BitCast<__nv_bfloat162>(biased), BitCast<__nv_bfloat162>(kInt4Offset)),
               BitCast<__nv_bfloat162>(scale_pair));
   return BitCast<uint32_t>(value);
 }
 
-// A stage of INT4 experts (moe_int4_tiles.h): nibbles and scales, then the token rows at the next
-// multiple of 1024 bytes.
+// INT4 experts (moe_int4_tiles.h, whose "stages" of 4.5 KB are the records here): four records a
+// stage, 18 KB, about the bf16 stage's bytes. A stage's fixed costs (its barriers, ticket and
+// token copies, the walk) then weigh on as many bytes as a bf16 stage's; with one record a stage
+// they were paid per 4.5 KB, and the stream ran at a quarter of the DRAM's rate (bench/NOTES.md,
+// step 137).
 template <bool kIsGateUp>
 struct Int4Stage {
   static constexpr bool kGateUp = kIsGateUp;
-  static constexpr int kWeightBytes = MoeInt4Layout::kStageBytes;  // 4.5 KB
+  static constexpr int kRecords = 4;
+  static constexpr int kRecordBytes = MoeInt4Layout::kStageBytes;  // 4.5 KB
+  static constexpr int kColumns = kRecords * kTmaCols;
+  static constexpr int kWeightBytes = kRecords * kRecordBytes;
   static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
-  static constexpr int kBytes = kTokenOffset + kTmaTokenBytes;
-  // A quarter of the bf16 stage's bytes: as many bytes in flight take more slots.
-  static constexpr int kMaxSlots = 12;
+  static constexpr int kBytes = kTokenOffset + kRecords * kTmaTokenBytes;
+  static constexpr int kMaxSlots = 8;
   static_assert(MoeInt4Layout::kStageRows == kTmaRows && MoeInt4Layout::kColumns == kTmaCols &&
-                kWeightBytes % 16 == 0);
+                kRecordBytes % 16 == 0);
 
   __device__ explicit Int4Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
       : base_(kGateUp ? p.int4_gate_up : p.int4_down),
@@ -158,7 +181,7 @@ struct Int4Stage {
     return base_ + layout_.StageOffset(expert, tile, chunk);
   }
 
-  // A thread's words (k-steps 0-3) and scales (groups 0 and 1) of a stage, loaded once; the
+  // A thread's words (k-steps 0-3) and scales (groups 0 and 1) of a record, loaded once; the
   // fragments are made from them in registers. Fragment rows map to gate/up or down rows as the
   // bf16 stage's do, so the sums and the stores are the same.
   class Fragments {
@@ -199,14 +222,16 @@ struct StageTicket {
   int32_t group_begin;  // the group's first grouped pair
   int32_t k0;           // the stage's first reduction column
   int32_t bits;         // the group's tokens (0 past the block's last stage) | kFirst | kLast |
-                        // part << 16
+                        // (records - 1) << 12 | part << 16
 
   __device__ int32_t Count() const { return bits & 0xff; }
   __device__ bool First() const { return (bits & kFirst) != 0; }
   __device__ bool Last() const { return (bits & kLast) != 0; }
+  __device__ int32_t Records() const { return (bits >> 12 & 0xf) + 1; }
   __device__ int32_t Part() const { return bits >> 16; }
-  static constexpr int32_t kFirst = 0x100;  // the first stage of an item's group: sums from zero
+  static constexpr int32_t kFirst = 0x100;  // the first stage of an item's group
   static constexpr int32_t kLast = 0x200;   // its last: the sums are stored
+  static __device__ int32_t RecordBits(int32_t records) { return (records - 1) << 12; }
 };
 static_assert(kTmaTokens <= 0xff);
 
@@ -233,18 +258,18 @@ __host__ __device__ constexpr int TmaSmemBytes(int stages) {
   return 1024 + stages * (Stage::kBytes + 2 * 8 + int{sizeof(StageTicket)});
 }
 
-// The walk over a block's stages: its items, their token groups, and the 64-column stages of
-// each group's reduction range. Only the producer warp walks (all its lanes, in step). Blocks
-// claim items one at a time from a counter the grouping zeroed (`claims`), so a block that
-// streams faster takes more of them and the stream ends within about one item on every block
-// (with a fixed share of 3 or 4 items each, the first blocks were done 29 of gate/up's 64 us
-// before the last; the 64-node step took 27 % less with claims: bench/NOTES.md, step 101). Each
-// item's sums are one block's, in stage order, whichever block that is: the bytes do not depend
-// on the scheduling.
+// The walk over a block's stages: its items, their token groups, and the stages (`columns` each,
+// a multiple of kTmaCols) of each group's reduction range. Only the producer warp walks (all its
+// lanes, in step). Blocks claim items one at a time from a counter the grouping zeroed (`claims`),
+// so a block that streams faster takes more of them and the stream ends within about one item on
+// every block (with a fixed share of 3 or 4 items each, the first blocks were done 29 of gate/up's
+// 64 us before the last; the 64-node step took 27 % less with claims: bench/NOTES.md, step 101).
+// Each item's sums are one block's, in stage order, whichever block that is: the bytes do not
+// depend on the scheduling.
 struct ExpertWalk {
-  int32_t rows_total, length, chunks, per_part, tiles, parts, rows_per_tile, items;
+  int32_t columns, rows_total, length, chunks, per_part, tiles, parts, rows_per_tile, items;
   // The current stage: item (active expert, row tile, block part), group and the reduction
-  // columns [k0, k0 + kTmaCols) of [k_begin, k_end).
+  // columns [k0, k0 + columns) of [k_begin, k_end).
   int32_t active = -1, expert = 0, tile = 0, part = 0;
   int32_t row0 = 0, k_begin = 0, k_end = 0, k0 = 0;
   int32_t pairs_begin = 0, pairs_end = 0, group_begin = 0, group_end = 0;
@@ -255,10 +280,12 @@ struct ExpertWalk {
   }
 
   __device__ ExpertWalk(const MoeExpertsParamsOf<Bf16, Bf16>& p, const Workspace& w,
-                        int32_t block_parts, bool is_gate_up, int32_t* claims)
-      : rows_total(static_cast<int32_t>(is_gate_up ? p.intermediate : p.hidden)),
+                        int32_t block_parts, bool is_gate_up, int32_t stage_columns,
+                        int32_t* claims)
+      : columns(stage_columns),
+        rows_total(static_cast<int32_t>(is_gate_up ? p.intermediate : p.hidden)),
         length(static_cast<int32_t>(is_gate_up ? p.hidden : p.intermediate)),
-        chunks((length + kTmaCols - 1) / kTmaCols),
+        chunks((length + columns - 1) / columns),
         per_part((chunks + block_parts - 1) / block_parts),
         tiles((rows_total + RowsPerTile(is_gate_up) - 1) / RowsPerTile(is_gate_up)),
         parts(block_parts),
@@ -269,7 +296,11 @@ struct ExpertWalk {
         claimed_(static_cast<int32_t>(blockIdx.x)) {}
 
   __device__ bool FirstOfGroup() const { return k0 == k_begin; }
-  __device__ bool LastOfGroup() const { return k0 + kTmaCols >= k_end; }
+  __device__ bool LastOfGroup() const { return k0 + columns >= k_end; }
+  // The stage's records: kTmaCols-column pieces of [k0, k_end), at most columns / kTmaCols.
+  __device__ int32_t Records() const {
+    return (min(columns, k_end - k0) + kTmaCols - 1) / kTmaCols;
+  }
 
   // Advances to the next stage; false past the block's last, and from then on.
   __device__ bool Next(const Workspace& w) {
@@ -277,8 +308,8 @@ struct ExpertWalk {
     // The item claimed at the current one's start is resolved at its second stage, so that its
     // loads are in flight while this item streams, not waited for at its boundary.
     if (started_ && !next_resolved_) Resolve(w);
-    if (started_ && k0 + kTmaCols < k_end) {
-      k0 += kTmaCols;
+    if (started_ && k0 + columns < k_end) {
+      k0 += columns;
       return true;
     }
     if (started_ && group_end < pairs_end) {
@@ -307,8 +338,8 @@ struct ExpertWalk {
       expert = next_expert_;
       pairs_begin = next_pairs_.x;
       pairs_end = next_pairs_.y;
-      k_begin = min(chunks, part * per_part) * kTmaCols;
-      k_end = min(length, min(chunks, (part + 1) * per_part) * kTmaCols);
+      k_begin = min(chunks, part * per_part) * columns;
+      k_end = min(length, min(chunks, (part + 1) * per_part) * columns);
     } while (k_begin >= k_end);
     row0 = tile * rows_per_tile;
     group_begin = pairs_begin;
@@ -391,14 +422,17 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       sm90::MbarrierWait(&empty[slot], ring.parity ^ 1);
       if (lane != 0) return;
       const int32_t count = more ? at.group_end - at.group_begin : 0;
+      const int32_t records = more ? at.Records() : 1;
       const int32_t bits = count | (at.FirstOfGroup() ? StageTicket::kFirst : 0) |
-                           (at.LastOfGroup() ? StageTicket::kLast : 0) | at.part << 16;
+                           (at.LastOfGroup() ? StageTicket::kLast : 0) |
+                           StageTicket::RecordBits(records) | at.part << 16;
       tickets[slot] = StageTicket{at.row0, at.group_begin, at.k0, bits};
-      sm90::MbarrierArriveExpectTx(&full[slot], more ? Stage::kWeightBytes : 0);
+      const int32_t bytes = records * Stage::kRecordBytes;
+      sm90::MbarrierArriveExpectTx(&full[slot], more ? bytes : 0);
       if (more) {
         sm90::BulkLoad(slots + slot * Stage::kBytes,
-                       weight_source.Source(at.expert, at.tile, at.k0 / kTmaCols),
-                       Stage::kWeightBytes, &full[slot]);
+                       weight_source.Source(at.expert, at.tile, at.k0 / kTmaCols), bytes,
+                       &full[slot]);
       }
     };
     // A stage's token rows, from its ticket, then the warp's arrivals on its full barrier. Lane l
@@ -427,20 +461,26 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
         }
       }
       if (ticket.Count() > 0) {
-        const int32_t column = ticket.k0 + 8 * (lane % 8);
-        const bool in_range = column < length;
         uint8_t* tokens = slots + slot * Stage::kBytes + Stage::kTokenOffset;
 #pragma unroll
-        for (int turn = 0; turn < kTokenTurns; ++turn) {
-          if (turn < token_turns) {
-            mma::CpAsync16(tokens + turn * 512 + (turn % 2 == 0 ? token_unit_even : token_unit_odd),
-                           token_rows[turn] + column, in_range);
+        for (int record = 0; record < Stage::kRecords; ++record) {
+          if (record >= ticket.Records()) break;
+          const int32_t column = ticket.k0 + record * kTmaCols + 8 * (lane % 8);
+          const bool in_range = column < length;
+          uint8_t* record_tokens = tokens + record * kTmaTokenBytes;
+#pragma unroll
+          for (int turn = 0; turn < kTokenTurns; ++turn) {
+            if (turn < token_turns) {
+              mma::CpAsync16(
+                  record_tokens + turn * 512 + (turn % 2 == 0 ? token_unit_even : token_unit_odd),
+                  token_rows[turn] + column, in_range);
+            }
           }
         }
       }
       mma::CpAsyncArriveOn(&full[slot]);
     };
-    ExpertWalk walk(p, w, block_parts, kGateUp, w.claims + (kGateUp ? 0 : 1));
+    ExpertWalk walk(p, w, block_parts, kGateUp, Stage::kColumns, w.claims + (kGateUp ? 0 : 1));
     // Down's token rows wait for the predecessor grid, its first `stages` weight tiles do not.
     bool waited = !kIssueBeforeWait;
     int32_t tokens_issued = 0;  // stages whose token rows are out
@@ -474,12 +514,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     sm90::MbarrierWait(&full[slot], at.parity);
     const StageTicket ticket = tickets[slot];
     if (ticket.Count() == 0) return;
-    if (ticket.First()) {
+    if constexpr (!kGateUp) {
+      if (ticket.First()) {
 #pragma unroll
-      for (int pass = 0; pass < kTmaPasses; ++pass) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
-        if constexpr (!kGateUp) {
+        for (int pass = 0; pass < kTmaPasses; ++pass) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int token = 8 * pass + 2 * q + i;
@@ -491,21 +529,26 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     }
     const uint8_t* weights = slots + slot * Stage::kBytes;
     const uint8_t* tokens = weights + Stage::kTokenOffset;
-    const typename Stage::Fragments fragments(weights, warp, lane);
-    // k-steps 2j and 2j + 1: A from the stage's fragments, B from units 4j + l / 8 (b0, b1 of
-    // step 2j, then of 2j + 1).
 #pragma unroll
-    for (int j = 0; j < kTmaCols / 32; ++j) {
-      uint32_t a[2][4];
-      fragments.Get(j, lane, a);
+    for (int record = 0; record < Stage::kRecords; ++record) {
+      if (record >= ticket.Records()) break;
+      const typename Stage::Fragments fragments(weights + record * Stage::kRecordBytes, warp, lane);
+      const uint8_t* record_tokens = tokens + record * kTmaTokenBytes;
+      // k-steps 2j and 2j + 1: A from the record's fragments, B from units 4j + l / 8 (b0, b1 of
+      // step 2j, then of 2j + 1).
 #pragma unroll
-      for (int pass = 0; pass < kTmaPasses; ++pass) {
-        if (8 * pass >= ticket.Count()) break;
-        uint32_t b[4];
-        mma::LoadMatrices4(b,
-                           tokens + sm90::Swizzle128(8 * pass + lane % 8, 8 * (4 * j + lane / 8)));
-        mma::MmaBf16(acc[pass], a[0], b[0], b[1]);
-        mma::MmaBf16(acc[pass], a[1], b[2], b[3]);
+      for (int j = 0; j < kTmaCols / 32; ++j) {
+        uint32_t a[2][4];
+        fragments.Get(j, lane, a);
+#pragma unroll
+        for (int pass = 0; pass < kTmaPasses; ++pass) {
+          if (8 * pass >= ticket.Count()) break;
+          uint32_t b[4];
+          mma::LoadMatrices4(
+              b, record_tokens + sm90::Swizzle128(8 * pass + lane % 8, 8 * (4 * j + lane / 8)));
+          mma::MmaBf16(acc[pass], a[0], b[0], b[1]);
+          mma::MmaBf16(acc[pass], a[1], b[2], b[3]);
+        }
       }
     }
     // Every consumer thread arrives once its own reads of the slot are done.
@@ -543,6 +586,13 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
           if (row + 8 < p.hidden) out[row + 8] = acc[pass][2 + i];
         }
       }
+    }
+    // The next group's sums start from zero: cleared here, once a group, rather than selected at
+    // every stage by whether it is a group's first (16 selects a stage).
+#pragma unroll
+    for (int pass = 0; pass < kTmaPasses; ++pass) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
     }
   }
 #else

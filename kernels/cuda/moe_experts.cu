@@ -91,8 +91,8 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int
 }
 
 // Slots per block of the weight-streaming kernel and blocks per multiprocessor: two blocks where
-// each then has at least 4 slots (bf16 on sm_90 and sm_100: 5 slots of 20 KB; INT4: 12 of 9 KB),
-// else one (bf16 on sm_120's 100 KB of shared memory: 4 slots). Two blocks let one block's stores
+// each then has at least 3 slots (sm_90 and sm_100: bf16 5 slots of 20 KB, INT4 3 of 34 KB), else
+// one (bf16 on sm_120's 100 KB of shared memory: 4 slots). Two blocks let one block's stores
 // overlap the other's stream.
 struct TmaPlan {
   int stages = 0;
@@ -112,7 +112,7 @@ absl::StatusOr<TmaPlan> PlanTmaKernels(int device) {
     const int budget = std::min(per_block, per_multiprocessor / blocks - reserved);
     return std::min(Stage::kMaxSlots, (budget - moe::TmaSmemBytes<Stage>(0)) / slot_bytes);
   };
-  if (stages_with(2) >= 4) return TmaPlan{stages_with(2), 2};
+  if (stages_with(2) >= 3) return TmaPlan{stages_with(2), 2};
   if (stages_with(1) >= 2) return TmaPlan{stages_with(1), 1};
   return absl::FailedPreconditionError(
       absl::StrCat("cuda::MoeExperts: ", per_block, " bytes of shared memory per block hold fewer",
@@ -127,10 +127,12 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
                                                const Workspace& w, int device, int multiprocessors,
                                                int64_t most_active, cudaStream_t stream) {
   using moe::ExpertWalk;
-  const int32_t parts = moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden);
+  const int32_t parts =
+      moe::GateUpParts(p.tokens, p.top_k, p.intermediate, p.hidden, UpStage::kColumns);
   const int64_t up_rows = ExpertWalk::RowsPerTile(true), down_rows = ExpertWalk::RowsPerTile(false);
   const int64_t up_items = most_active * ((p.intermediate + up_rows - 1) / up_rows) * parts;
-  const int32_t down_parts = moe::DownParts(p.tokens, p.top_k, p.intermediate, p.hidden);
+  const int32_t down_parts =
+      moe::DownParts(p.tokens, p.top_k, p.intermediate, p.hidden, DownStage::kColumns);
   const int64_t down_items = most_active * ((p.hidden + down_rows - 1) / down_rows) * down_parts;
   // The walk counts items in 32 bits, with claims up to twice the items.
   if (std::max(up_items, down_items) > 0x3fffffff) {

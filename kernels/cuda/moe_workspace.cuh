@@ -28,7 +28,8 @@ inline int64_t MaxGemmTiles(int64_t pairs, int32_t num_local) {
 inline int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Work items of the weight-streaming kernel (moe_expert_tma_kernel.cuh): rows per item of gate/up
-// (64 of gate with the same 64 of up) and of down, and reduction columns per stage.
+// (64 of gate with the same 64 of up) and of down, and reduction columns per stage (bf16 tiles;
+// INT4 stages hold four times as many).
 inline constexpr int kGateUpTileRows = 64;
 inline constexpr int kDownTileRows = 128;
 inline constexpr int kStageColumns = 64;
@@ -39,27 +40,33 @@ inline constexpr int kStageColumns = 64;
 // experts of 4 gate/up tiles at 16 tokens; with whole experts, 1 to 3 experts of 32 gate/up and 56
 // down tiles), too few items to share out evenly among two blocks per multiprocessor
 // (bench/NOTES.md, steps 87, 89 and 90). So about 256 items per active expert, at most 8 parts, and
-// at least 8 stages per part: then every part has columns (the sums read every part's) and the
-// partial sums stay small beside the weights (a 4-stage down reduction is not parted). Few pairs
-// only, so the workspace stays small.
+// at least 8 bf16 stages (of 64 columns) per part: then every part has columns (the sums read every
+// part's) and the partial sums stay small beside the weights (a 4-stage down reduction is not
+// parted). Few pairs only, so the workspace stays small. The walk cuts parts at its stages'
+// edges (`stage_columns` each).
 inline constexpr int64_t kMaxPartedPairs = 512;
 inline constexpr int32_t kMaxReductionParts = 8;
-inline int32_t ReductionParts(int64_t pairs, int64_t rows, int64_t tile_rows, int64_t length) {
+inline int32_t ReductionParts(int64_t pairs, int64_t rows, int64_t tile_rows, int64_t length,
+                              int64_t stage_columns = kStageColumns) {
   if (pairs > kMaxPartedPairs) return 1;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  const int64_t stages = (length + kStageColumns - 1) / kStageColumns;
-  int64_t parts =
-      std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, stages / 8), 1, kMaxReductionParts);
+  const int64_t stages = (length + stage_columns - 1) / stage_columns;
+  const int64_t bf16_stages = (length + kStageColumns - 1) / kStageColumns;
+  int64_t parts = std::clamp<int64_t>(std::min((256 + tiles - 1) / tiles, bf16_stages / 8), 1,
+                                      kMaxReductionParts);
   // The walk gives part p the stages [p * per_part, (p + 1) * per_part) of the reduction: with
   // the bounds above every part has some, and this keeps it so whatever the bounds become.
   while (parts > 1 && (parts - 1) * ((stages + parts - 1) / parts) >= stages) --parts;
   return static_cast<int32_t>(parts);
 }
-inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
-  return ReductionParts(tokens * top_k, intermediate, kGateUpTileRows, hidden);
+// At most the bf16 stages' parts at any stage_columns (the workspace is carved for those).
+inline int32_t GateUpParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden,
+                           int64_t stage_columns = kStageColumns) {
+  return ReductionParts(tokens * top_k, intermediate, kGateUpTileRows, hidden, stage_columns);
 }
-inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden) {
-  return ReductionParts(tokens * top_k, hidden, kDownTileRows, intermediate);
+inline int32_t DownParts(int64_t tokens, int32_t top_k, int64_t intermediate, int64_t hidden,
+                         int64_t stage_columns = kStageColumns) {
+  return ReductionParts(tokens * top_k, hidden, kDownTileRows, intermediate, stage_columns);
 }
 
 // Where the workspace's pieces are.

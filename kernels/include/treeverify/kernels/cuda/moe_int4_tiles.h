@@ -19,10 +19,11 @@
 //   for i < 8, row 8w + i - 8 of up otherwise (a thread holds gate and up of one row and token).
 //
 // A weight is bf16((nibble - 8) x scale), rounded once: the bf16 a loader makes of the
-// dequantized fp32 weight. So the stream's sums are, bit for bit, the bf16 tiles' of the same
-// weights dequantized. Rows and columns past the matrix are nibble 8 with scale 0 (zeros). Stages
-// follow each other in (expert, row tile, chunk of 64 columns) order, as the bf16 tiles do, so an
-// item of the stream is one run of memory and a stage one bulk copy.
+// dequantized fp32 weight. So the stream's products are the bf16 tiles' of the same weights
+// dequantized (its sums too, bit for bit, where neither stream cuts the reduction into parts).
+// Rows and columns past the matrix are nibble 8 with scale 0 (zeros). Stages follow each other in
+// (expert, row tile, chunk of 64 columns) order, as the bf16 tiles do, so an item of the stream is
+// one run of memory, and the stream's four-stage steps one bulk copy each.
 //
 //   const MoeInt4Layout gate_up = Int4GateUpLayout(intermediate, hidden);
 //   // words / scales: the checkpoint's weight_packed (I32 [rows, ceil(cols / 8)]) and
