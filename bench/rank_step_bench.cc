@@ -18,14 +18,15 @@
 //   rank_step_bench [--layers N] [--contexts 4096,46080,131072] [--trees 1,9,16,64]
 //                   [--sharding split,whole] [--iters 20] [--json FILE]
 //                   [--prefill 4096,46080 [--prefill-chunk 8192]] [--dense resident|cublas]
-//                   [--shared-experts 1] [--sequences 1] [--experts bf16|int4]
+//                   [--shared-experts 1] [--sequences 1] [--experts bf16|int4|fp8]
 //                   [--first-dense 0] [--accepted 3]
 //
 // --experts int4 makes the routed experts INT4 as Kimi-K2-Thinking ships them (groups of 32,
 // bf16 scales; streamed quantized: moe_int4_tiles.h), so all 61 layers of a rank fit on one H200
-// (--layers 61 --first-dense 1: Kimi-K2's depth with its dense first layer). Each row reports
-// tokens per second at --accepted tokens a step (at most the tree's depth plus one; one without
-// a tree).
+// (--layers 61 --first-dense 1: Kimi-K2's depth with its dense first layer); --experts fp8 makes
+// them FP8 as DeepSeek-V3 ships its weights (128 x 128 blocks; moe_fp8_tiles.h), the rest bf16.
+// Each row reports tokens per second at --accepted tokens a step (at most the tree's depth plus
+// one; one without a tree).
 //
 // --sequences N verifies N sequences a step, each with the context and the tree (the batch's
 // sequences padded to a bucket, cuda_forward.h: 3 run as 4 with one padding sequence).
@@ -85,7 +86,7 @@ struct Args {
   bool resident_products = true;  // --dense cublas: every dense product through cuBLASLt
   int shared_experts = 1;         // Kimi-K2's; 0 for the routed experts alone
   int sequences = 1;              // a step's sequences, each with the context and the tree
-  bool int4_experts = false;      // --experts int4: Kimi-K2-Thinking's INT4 routed experts
+  std::string experts = "bf16";   // --experts int4 / fp8: the routed experts quantized
   int first_dense = 0;            // --first-dense 1: Kimi-K2's dense first layer
   double accepted = 3.0;          // tokens a tree step emits, for the tokens-per-second figure
 };
@@ -132,15 +133,17 @@ constexpr int32_t kPageSize = 64;
 
 // Bytes of one layer's weights and KV at the longest context: what decides how many fit.
 int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_keys,
-                   bool int4_experts) {
+                   const std::string& expert_format) {
   const int64_t h = c.hidden_size, heads = plan.heads.size();
   const int64_t attention = *c.q_lora_rank * h + heads * c.qk_head_dim() * *c.q_lora_rank +
                             c.kv_row_dim() * h + heads * c.kv_lora_rank * 256 +
                             h * heads * c.v_head_dim;
   const int64_t experts = plan.experts.size() * 3 * h * plan.expert_intermediate.size();
   const int64_t shared = 3 * h * plan.shared_intermediate.size();
-  // INT4 stages: half a byte and a bf16 scale per 32 weights.
-  const int64_t expert_bytes = int4_experts ? experts / 2 + experts / 16 : 2 * experts;
+  // INT4 records: half a byte and a bf16 scale per 32 weights; FP8: a byte (and a scale per 16k).
+  const int64_t expert_bytes = expert_format == "int4"  ? experts / 2 + experts / 16
+                               : expert_format == "fp8" ? experts + experts / 1024
+                                                        : 2 * experts;
   return 2 * (attention + shared + c.n_routed_experts * h) + expert_bytes +
          max_keys * c.kv_row_dim() * 2;
 }
@@ -370,8 +373,10 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
           : *std::max_element(args.prefill.begin(), args.prefill.end());
   ModelConfig config = KimiK2(1);
   config.n_shared_experts = args.shared_experts;
-  if (args.int4_experts) {
+  if (args.experts == "int4") {
     config.quantization = {.method = WeightQuantization::Method::kInt4Group, .group_size = 32};
+  } else if (args.experts == "fp8") {
+    config.quantization = {.method = WeightQuantization::Method::kFp8Block};
   }
   TV_ASSIGN_OR_RETURN(ShardingPlan plan, ShardingPlan::Make(config, 0, 8, sharding));
   int layers = args.layers;
@@ -381,7 +386,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
     // Leave room for the embedding, the LM head, activations and workspaces.
     const int64_t spare = int64_t{6} << 30;
     layers = static_cast<int>((static_cast<int64_t>(free_bytes) - spare) /
-                              LayerBytes(config, plan, max_keys, args.int4_experts));
+                              LayerBytes(config, plan, max_keys, args.experts));
   }
   config.num_hidden_layers = layers;
   config.first_k_dense_replace = std::min(args.first_dense, layers);
@@ -391,8 +396,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
   std::printf("sharding %s: %d layers (%d dense), %lld local experts x %lld columns, %s experts\n",
               sharding_name, layers, static_cast<int>(config.first_k_dense_replace),
               static_cast<long long>(plan.experts.size()),
-              static_cast<long long>(plan.expert_intermediate.size()),
-              args.int4_experts ? "int4" : "bf16");
+              static_cast<long long>(plan.expert_intermediate.size()), args.experts.c_str());
   std::fflush(stdout);
 
   TV_ASSIGN_OR_RETURN(DeviceWeights weights, RandomDeviceWeights(config, plan, 2026));
@@ -441,7 +445,7 @@ absl::Status RunSharding(const Args& args, ExpertSharding sharding,
       nlohmann::json row = {{"sharding", sharding_name},
                             {"layers", layers},
                             {"dense_layers", config.first_k_dense_replace},
-                            {"experts", args.int4_experts ? "int4" : "bf16"},
+                            {"experts", args.experts},
                             {"context", context},
                             {"tree", nodes},
                             {"sequences", args.sequences},
@@ -595,10 +599,10 @@ absl::Status Main(int argc, char** argv) {
         return absl::InvalidArgumentError(absl::StrCat("--shared-experts 0, 1, ...; got ", value));
       }
     } else if (flag == "--experts") {
-      if (value != "bf16" && value != "int4") {
-        return absl::InvalidArgumentError(absl::StrCat("--experts bf16 or int4; got ", value));
+      if (value != "bf16" && value != "int4" && value != "fp8") {
+        return absl::InvalidArgumentError(absl::StrCat("--experts bf16, int4 or fp8; got ", value));
       }
-      args.int4_experts = value == "int4";
+      args.experts = value;
     } else if (flag == "--first-dense") {
       if (!absl::SimpleAtoi(value, &args.first_dense) || args.first_dense < 0) {
         return absl::InvalidArgumentError(absl::StrCat("--first-dense 0, 1, ...; got ", value));

@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include <algorithm>
 
 #include "element_convert.cuh"
@@ -20,6 +22,13 @@ __device__ __forceinline__ uint32_t Hash(uint64_t index, uint32_t seed) {
 
 __device__ __forceinline__ float HashUniform(uint64_t index, uint32_t seed) {
   return static_cast<float>(Hash(index, seed) >> 8) / 16777216.0f * 2.0f - 1.0f;  // [-1, 1)
+}
+
+__global__ void FillFp8Kernel(uint8_t* data, int64_t count, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = __nv_cvt_float_to_fp8(HashUniform(i, seed) * scale, __NV_SATFINITE, __NV_E4M3);
+  }
 }
 
 __global__ void FillRandomBitsKernel(uint32_t* data, int64_t count, uint32_t seed) {
@@ -86,6 +95,17 @@ absl::Status FillRandomBits(uint32_t* data, int64_t count, uint32_t seed, cudaSt
   if (count == 0) return absl::OkStatus();
   FillRandomBitsKernel<<<Blocks(count), 256, 0, stream>>>(data, count, seed);
   return CudaStatus(cudaGetLastError(), "FillRandomBitsKernel launch");
+}
+
+absl::Status FillUniformFp8E4M3(uint8_t* data, int64_t count, float scale, uint32_t seed,
+                                cudaStream_t stream) {
+  if (count < 0 || (count > 0 && data == nullptr) || !(scale > 0.0f && scale <= 448.0f)) {
+    return absl::InvalidArgumentError(
+        "FillUniformFp8E4M3: a negative count, no buffer, or a scale outside (0, 448]");
+  }
+  if (count == 0) return absl::OkStatus();
+  FillFp8Kernel<<<Blocks(count), 256, 0, stream>>>(data, count, scale, seed);
+  return CudaStatus(cudaGetLastError(), "FillFp8Kernel launch");
 }
 
 }  // namespace treeverify::kernels::cuda

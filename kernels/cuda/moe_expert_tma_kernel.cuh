@@ -32,12 +32,17 @@
 //   nibbles and 512 bytes of group scales, each thread's fragments of a record one 16-byte load,
 //   dequantized in registers to the bf16 a loader would have rounded them to: W4A16 with the bf16
 //   stream's products at 28 % of its bytes.
+// - Fp8Stage (moe_fp8_tiles.h): two records a stage, each 8 KB of e4m3 and its blocks' fp32
+//   scales, each thread's fragments of a record two 16-byte loads, dequantized likewise: W8A16 with
+//   the bf16 stream's products at half its bytes.
 // Rows past an expert's and columns past the reduction's end are zeros in the stages; the token
 // rows' columns past it are cp.async's zero fill.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -47,6 +52,7 @@
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
 #include "sm90_primitives.cuh"
+#include "treeverify/kernels/cuda/moe_fp8_tiles.h"
 #include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/moe.h"
@@ -155,22 +161,21 @@ __device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_
   return BitCast<uint32_t>(value);
 }
 
-// INT4 experts (moe_int4_tiles.h, whose "stages" of 4.5 KB are the records here): four records a
-// stage, 18 KB, about the bf16 stage's bytes. A stage's fixed costs (its barriers, ticket and
-// token copies, the walk) then weigh on as many bytes as a bf16 stage's; with one record a stage
-// they were paid per 4.5 KB, and the stream ran at a quarter of the DRAM's rate (bench/NOTES.md,
-// step 137).
+// INT4 experts (moe_int4_tiles.h): four 4.5 KB records a stage, 18 KB, about the bf16 stage's
+// bytes. A stage's fixed costs (its barriers, ticket and token copies, the walk) then weigh on as
+// many bytes as a bf16 stage's; with one record a stage they were paid per 4.5 KB, and the stream
+// ran at a quarter of the DRAM's rate (bench/NOTES.md, step 137).
 template <bool kIsGateUp>
 struct Int4Stage {
   static constexpr bool kGateUp = kIsGateUp;
   static constexpr int kRecords = 4;
-  static constexpr int kRecordBytes = MoeInt4Layout::kStageBytes;  // 4.5 KB
+  static constexpr int kRecordBytes = MoeInt4Records::kRecordBytes;
   static constexpr int kColumns = kRecords * kTmaCols;
   static constexpr int kWeightBytes = kRecords * kRecordBytes;
   static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
   static constexpr int kBytes = kTokenOffset + kRecords * kTmaTokenBytes;
   static constexpr int kMaxSlots = 8;
-  static_assert(MoeInt4Layout::kStageRows == kTmaRows && MoeInt4Layout::kColumns == kTmaCols &&
+  static_assert(MoeRecordLayout::kRows == kTmaRows && MoeRecordLayout::kColumns == kTmaCols &&
                 kRecordBytes % 16 == 0);
 
   __device__ explicit Int4Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
@@ -178,19 +183,18 @@ struct Int4Stage {
         layout_(kGateUp ? Int4GateUpLayout(p.intermediate, p.hidden)
                         : Int4DownLayout(p.hidden, p.intermediate)) {}
   __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
-    return base_ + layout_.StageOffset(expert, tile, chunk);
+    return base_ + layout_.RecordOffset(expert, tile, chunk);
   }
 
   // A thread's words (k-steps 0-3) and scales (groups 0 and 1) of a record, loaded once; the
-  // fragments are made from them in registers. Fragment rows map to gate/up or down rows as the
-  // bf16 stage's do, so the sums and the stores are the same.
+  // fragments are made from them in registers.
   class Fragments {
    public:
     __device__ Fragments(const uint8_t* weights, int warp, int lane)
         : words_(*reinterpret_cast<const uint4*>(weights + (warp * 32 + lane) * 16)),
-          scales_(*reinterpret_cast<const uint2*>(weights + MoeInt4Layout::kWordBytes +
+          scales_(*reinterpret_cast<const uint2*>(weights + MoeInt4Records::kWordBytes +
                                                   (warp * 8 + lane / 4) * 8)) {}
-    // k-steps 2j and 2j + 1: group j of the stage.
+    // k-steps 2j and 2j + 1: group j of the record.
     __device__ void Get(int j, int /*lane*/, uint32_t (&a)[2][4]) const {
       const uint32_t scales = j == 0 ? scales_.x : scales_.y;
       const uint32_t row_g = __byte_perm(scales, 0, 0x1010);   // row g's scale, twice
@@ -213,7 +217,74 @@ struct Int4Stage {
 
  private:
   const uint8_t* base_;
-  MoeInt4Layout layout_;
+  MoeRecordLayout layout_;
+};
+
+// bf16(fp32(e4m3) x scale) for the pair of e4m3 bytes in the low 16 bits of `bytes` (low byte the
+// low half): the loader's fp32 product, rounded to bf16 as its upload rounds it.
+__device__ __forceinline__ uint32_t DequantizeFp8Pair(uint32_t bytes, float scale) {
+  const __half2_raw halves =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes & 0xffffu), __NV_E4M3);
+  const float2 values = __half22float2(BitCast<__half2>(halves));
+  return BitCast<uint32_t>(
+      __floats2bfloat162_rn(__fmul_rn(values.x, scale), __fmul_rn(values.y, scale)));
+}
+
+// FP8 experts (moe_fp8_tiles.h): two 8 KB records a stage, 16 KB, the bf16 stage's bytes.
+template <bool kIsGateUp>
+struct Fp8Stage {
+  static constexpr bool kGateUp = kIsGateUp;
+  static constexpr int kRecords = 2;
+  static constexpr int kRecordBytes = MoeFp8Records::kRecordBytes;
+  static constexpr int kColumns = kRecords * kTmaCols;
+  static constexpr int kWeightBytes = kRecords * kRecordBytes;
+  static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
+  static constexpr int kBytes = kTokenOffset + kRecords * kTmaTokenBytes;
+  static constexpr int kMaxSlots = 8;
+  static_assert(MoeRecordLayout::kRows == kTmaRows && MoeRecordLayout::kColumns == kTmaCols &&
+                kRecordBytes % 16 == 0);
+
+  __device__ explicit Fp8Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
+      : base_(kGateUp ? p.fp8_gate_up : p.fp8_down),
+        layout_(kGateUp ? Fp8GateUpLayout(p.intermediate, p.hidden)
+                        : Fp8DownLayout(p.hidden, p.intermediate)) {}
+  __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
+    return base_ + layout_.RecordOffset(expert, tile, chunk);
+  }
+
+  // A thread's bytes of a record (k-steps 0-1, then 2-3) and its rows' scales (gate/up: fragment
+  // rows g of gate, g + 8 of up; down: one block), loaded once.
+  class Fragments {
+   public:
+    __device__ Fragments(const uint8_t* weights, int warp, int lane)
+        : low_(*reinterpret_cast<const uint4*>(weights + ((warp * 2) * 32 + lane) * 16)),
+          high_(*reinterpret_cast<const uint4*>(weights + ((warp * 2 + 1) * 32 + lane) * 16)) {
+      const float* scales = reinterpret_cast<const float*>(weights + MoeFp8Records::kWeightBytes);
+      row_g_ = scales[0];
+      row_g8_ = kGateUp ? scales[1] : row_g_;
+    }
+    // k-steps 2j and 2j + 1.
+    __device__ void Get(int j, int /*lane*/, uint32_t (&a)[2][4]) const {
+      const uint4& bytes = j == 0 ? low_ : high_;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t first = h == 0 ? bytes.x : bytes.z;   // registers 0 and 1
+        const uint32_t second = h == 0 ? bytes.y : bytes.w;  // registers 2 and 3
+        a[h][0] = DequantizeFp8Pair(first, row_g_);
+        a[h][1] = DequantizeFp8Pair(first >> 16, row_g8_);
+        a[h][2] = DequantizeFp8Pair(second, row_g_);
+        a[h][3] = DequantizeFp8Pair(second >> 16, row_g8_);
+      }
+    }
+
+   private:
+    uint4 low_, high_;
+    float row_g_ = 0.0f, row_g8_ = 0.0f;
+  };
+
+ private:
+  const uint8_t* base_;
+  MoeRecordLayout layout_;
 };
 
 // What a stage holds, from the producer to the consumers (16 bytes beside each slot).
@@ -379,7 +450,8 @@ struct ExpertWalk {
 
 // Gate/up (Stage::kGateUp: out silu(gate) * up, or the block part's sums) or down (out: fp32 per
 // entry) for every active expert, from the stages of `Stage` (Bf16Stage: p.packed_gate with
-// packed_up, or p.packed_down; Int4Stage: p.int4_gate_up or p.int4_down), through `stages` slots.
+// packed_up, or p.packed_down; Int4Stage: p.int4_gate_up or p.int4_down; Fp8Stage: p.fp8_*),
+// through `stages` slots.
 template <class Stage>
 __global__ void __launch_bounds__(kTmaThreads, 2)
     ExpertTmaKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t block_parts,

@@ -203,18 +203,24 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
       (p.packed_gate != nullptr) + (p.packed_up != nullptr) + (p.packed_down != nullptr);
   const int given = (p.gate_proj != nullptr) + (p.up_proj != nullptr) + (p.down_proj != nullptr);
   const int int4 = (p.int4_gate_up != nullptr) + (p.int4_down != nullptr);
-  const bool tiled = packed == 3, pointers = given == 3, quantized = int4 == 2;
+  const int fp8 = (p.fp8_gate_up != nullptr) + (p.fp8_down != nullptr);
+  const bool tiled = packed == 3, pointers = given == 3;
+  const bool quantized = (int4 == 2) != (fp8 == 2);  // one format's records
   if (p.x == nullptr || p.topk_ids == nullptr || p.topk_weights == nullptr || p.out == nullptr ||
       (packed != 0 && packed != 3) || (given != 0 && given != 3) || (int4 != 0 && int4 != 2) ||
-      (quantized && (tiled || pointers)) || (!tiled && !pointers && !quantized)) {
+      (fp8 != 0 && fp8 != 2) || (int4 == 2 && fp8 == 2) || (quantized && (tiled || pointers)) ||
+      (!tiled && !pointers && !quantized)) {
     return absl::InvalidArgumentError(
         "cuda::MoeExperts: x, topk_ids, topk_weights, out and the experts (all three packed "
-        "tiles, or all three pointer arrays, or both; or the two INT4 stage arrays alone) must be "
-        "non-null");
+        "tiles, or all three pointer arrays, or both; or the two record arrays of one quantized "
+        "format alone) must be non-null");
   }
-  if (quantized && (reinterpret_cast<uintptr_t>(p.int4_gate_up) % 16 != 0 ||
-                    reinterpret_cast<uintptr_t>(p.int4_down) % 16 != 0)) {
-    return absl::InvalidArgumentError("cuda::MoeExperts: the INT4 stages must be 16-byte aligned");
+  const uint8_t* records[2] = {int4 == 2 ? p.int4_gate_up : p.fp8_gate_up,
+                               int4 == 2 ? p.int4_down : p.fp8_down};
+  if (quantized && (reinterpret_cast<uintptr_t>(records[0]) % 16 != 0 ||
+                    reinterpret_cast<uintptr_t>(records[1]) % 16 != 0)) {
+    return absl::InvalidArgumentError(
+        "cuda::MoeExperts: the quantized experts' records must be 16-byte aligned");
   }
   if (tiled &&
       (p.packed_up != p.packed_gate + GateUpTileLayout(p.intermediate, p.hidden).TileElements() ||
@@ -253,9 +259,9 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
                         reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
   if (!tma_path && !pointers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cuda::MoeExperts: packed tiles and INT4 stages are read on sm_90 and later "
-                     "with hidden and "
-                     "intermediate multiples of 8 and x 16-byte aligned (compute capability ",
+        absl::StrCat("cuda::MoeExperts: packed tiles and quantized records are read on sm_90 and "
+                     "later with hidden and intermediate multiples of 8 and x 16-byte aligned "
+                     "(compute capability ",
                      compute_major, ", hidden ", p.hidden, ", intermediate ", p.intermediate,
                      "); otherwise the pointer arrays are needed"));
   }
@@ -298,11 +304,15 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   int32_t down_parts = 1;  // the weight stream's may split down's reduction
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
-  // per 64 of its tokens rather than per 32. (INT4 experts stream at every size: the grouped
-  // GEMM reads bf16.)
-  if (quantized) {
+  // per 64 of its tokens rather than per 32. (Quantized experts stream at every size: the
+  // grouped GEMM reads bf16.)
+  if (int4 == 2) {
     TV_ASSIGN_OR_RETURN(down_parts,
                         (LaunchExpertTmaKernels<moe::Int4Stage<true>, moe::Int4Stage<false>>(
+                            p, w, device, multiprocessors, most_active, stream)));
+  } else if (fp8 == 2) {
+    TV_ASSIGN_OR_RETURN(down_parts,
+                        (LaunchExpertTmaKernels<moe::Fp8Stage<true>, moe::Fp8Stage<false>>(
                             p, w, device, multiprocessors, most_active, stream)));
   } else if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
              reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {

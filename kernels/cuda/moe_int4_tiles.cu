@@ -1,5 +1,5 @@
-// The checkpoint's INT4 experts into the weight stream's stages on the device
-// (moe_int4_tiles.h): a thread per 32-bit word of a stage, nibbles or scales, gathered from the
+// The checkpoint's INT4 experts into the weight stream's records on the device
+// (moe_int4_tiles.h): a thread per 32-bit word of a record, nibbles or scales, gathered from the
 // checkpoint's rows.
 #include <cstdint>
 
@@ -11,8 +11,9 @@ namespace treeverify::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kStageWords = MoeInt4Layout::kStageBytes / 4;
-constexpr int64_t kNibbleWords = MoeInt4Layout::kWordBytes / 4;
+constexpr int64_t kRecordWords = MoeInt4Records::kRecordBytes / 4;
+constexpr int64_t kNibbleWords = MoeInt4Records::kWordBytes / 4;
+constexpr int64_t kGroup = MoeInt4Records::kGroup;
 constexpr uint32_t kZeroNibble = 8;
 
 struct Sources {
@@ -21,17 +22,17 @@ struct Sources {
 };
 
 __global__ void __launch_bounds__(kThreads)
-    PackInt4Kernel(Sources in, int64_t total_words, MoeInt4Layout layout,
+    PackInt4Kernel(Sources in, int64_t total_words, MoeRecordLayout layout,
                    uint32_t* __restrict__ tiles) {
   const int64_t index = blockIdx.x * int64_t{kThreads} + threadIdx.x;
   if (index >= total_words) return;
-  const int64_t stage = index / kStageWords, within = index % kStageWords;
-  const int64_t chunk = stage % layout.Chunks();
-  const int64_t row_tile = stage / layout.Chunks() % layout.RowTiles();
-  const int64_t expert = stage / (layout.Chunks() * layout.RowTiles());
+  const int64_t record = index / kRecordWords, within = index % kRecordWords;
+  const int64_t chunk = record % layout.Chunks();
+  const int64_t row_tile = record / layout.Chunks() % layout.RowTiles();
+  const int64_t expert = record / (layout.Chunks() * layout.RowTiles());
   const int64_t words_per_row = (layout.cols + 7) / 8;
-  const int64_t groups_per_row = (layout.cols + MoeInt4Layout::kGroup - 1) / MoeInt4Layout::kGroup;
-  // Row `r` of the stage's row tile as a row of the experts' checkpoint tensors, one expert after
+  const int64_t groups_per_row = (layout.cols + kGroup - 1) / kGroup;
+  // Row `r` of the record's row tile as a row of the experts' checkpoint tensors, one expert after
   // another (or -1 past the matrix).
   auto source_row = [&](int64_t r) -> int64_t {
     const int64_t row = row_tile * layout.TileRows() + r;
@@ -45,7 +46,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int p = 0; p < 4; ++p) {
       const int i = g + 8 * (p % 2);  // fragment row: p = 0, 2 row g; p = 1, 3 row g + 8
       for (int half = 0; half < 2; ++half) {
-        const int64_t col = chunk * MoeInt4Layout::kColumns + 16 * k + 2 * q + 8 * (p / 2) + half;
+        const int64_t col =
+            chunk * MoeRecordLayout::kColumns + MoeRecordLayout::FragmentColumn(k, q, p, half);
         const int m = layout.FragmentMatrix(i);
         const int64_t row = source_row(layout.FragmentRow(w, i));
         uint32_t nibble = kZeroNibble;
@@ -59,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t s = within - kNibbleWords;  // ((w * 8 + g) * 2 + group)
     const int group = static_cast<int>(s % 2), g = static_cast<int>(s / 2 % 8);
     const int w = static_cast<int>(s / 16);
-    const int64_t column_group = chunk * (MoeInt4Layout::kColumns / MoeInt4Layout::kGroup) + group;
+    const int64_t column_group = chunk * (MoeRecordLayout::kColumns / kGroup) + group;
     for (int half = 0; half < 2; ++half) {
       const int i = g + 8 * half;
       const int m = layout.FragmentMatrix(i);
@@ -78,13 +80,15 @@ __global__ void __launch_bounds__(kThreads)
 
 absl::Status PackInt4ExpertTilesOnDevice(const std::array<const uint32_t*, 2>& words,
                                          const std::array<const Bf16*, 2>& scales, int64_t experts,
-                                         const MoeInt4Layout& layout, uint8_t* tiles,
+                                         const MoeRecordLayout& layout, uint8_t* tiles,
                                          cudaStream_t stream) {
   const int matrices = layout.gate_up ? 2 : 1;
-  if (experts < 0 || layout.rows <= 0 || layout.cols <= 0) {
+  if (experts < 0 || layout.rows <= 0 || layout.cols <= 0 ||
+      layout.record_bytes != MoeInt4Records::kRecordBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda::PackInt4ExpertTilesOnDevice: experts=", experts, " rows=", layout.rows,
-                     " cols=", layout.cols));
+                     " cols=", layout.cols, " record_bytes=", layout.record_bytes, " (INT4's ",
+                     MoeInt4Records::kRecordBytes, ")"));
   }
   for (int m = 0; m < matrices; ++m) {
     if (words[m] == nullptr || scales[m] == nullptr) {

@@ -232,6 +232,47 @@ TEST_F(QuantizedWeightsTest, Int4GroupsDequantizeWholeAndInSlices) {
   }
 }
 
+// ReadFp8 gives the slice as stored: its bytes and its blocks' scales dequantize to Read's
+// values; plain tensors are not FP8 (nullopt).
+TEST_F(QuantizedWeightsTest, Fp8SlicesReadAsStored) {
+  const int64_t out = 300, in = 200;
+  const Fp8Weight w = MakeFp8(out, in, 8);
+  std::vector<RawTensor> tensors = w.tensors;
+  tensors.push_back({"n.weight", "F32", {1, 2}, Bytes(std::vector<float>{1.f, 2.f})});
+  auto checkpoint = Open(tensors);
+  ASSERT_NE(checkpoint, nullptr);
+  const WeightReader reader(*checkpoint, kFp8);
+  struct Slice {
+    int64_t r0, r1, c0, c1;
+  };
+  for (const Slice& s : {Slice{0, out, 0, in}, Slice{128, 300, 0, in}, Slice{0, out, 128, 200},
+                         Slice{256, 300, 0, 128}}) {
+    SCOPED_TRACE(testing::Message() << "rows [" << s.r0 << ", " << s.r1 << ") columns [" << s.c0
+                                    << ", " << s.c1 << ")");
+    auto stored = reader.ReadFp8("l.weight", {out, in}, s.r0, s.r1, s.c0, s.c1);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    ASSERT_TRUE(stored->has_value());
+    const Fp8Matrix& m = **stored;
+    const int64_t block_cols = (m.cols + 127) / 128;
+    ASSERT_EQ(m.rows, s.r1 - s.r0);
+    ASSERT_EQ(m.cols, s.c1 - s.c0);
+    ASSERT_EQ(m.bytes.size(), static_cast<size_t>(m.rows * m.cols));
+    ASSERT_EQ(m.scales.size(), static_cast<size_t>((m.rows + 127) / 128 * block_cols));
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t c = 0; c < m.cols; ++c) {
+        const float value =
+            Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) * m.scales[(r / 128) * block_cols + c / 128];
+        ASSERT_EQ(value, w.expected[(s.r0 + r) * in + s.c0 + c]) << r << ", " << c;
+      }
+    }
+  }
+  auto plain = reader.ReadFp8("n.weight", {1, 2}, 0, 1, 0, 2);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->has_value());
+  EXPECT_THAT(std::string(reader.ReadFp8("l.weight", {out, in}, 64, 300, 0, in).status().message()),
+              HasSubstr("cuts a quantization block of 128"));
+}
+
 // ReadInt4 gives the slice as stored (for the GPU's quantized stream): each element's nibble and
 // its group's bf16 scale dequantize to Read's value; nibbles past the slice's end in its last
 // word are the stored zero (8); plain tensors are not INT4 (nullopt); scales other than BF16 are

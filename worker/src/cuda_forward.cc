@@ -252,8 +252,11 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
   for (const DeviceLayerWeights& layer : weights_.layers) {
-    if (layer.is_moe && layer.moe.layout == DeviceMoeWeights::Layout::kInt4) {
+    if (!layer.is_moe) continue;
+    if (layer.moe.layout == DeviceMoeWeights::Layout::kInt4) {
       shape.expert_weight_bytes = 0.5 + 2.0 / 32.0;  // moe_int4_tiles.h
+    } else if (layer.moe.layout == DeviceMoeWeights::Layout::kFp8) {
+      shape.expert_weight_bytes = 1.0 + 4.0 / (128.0 * 128.0);  // moe_fp8_tiles.h
     }
   }
   // The context each attention pass reads: every absorbed sequence's, and each long chain's once.
@@ -1169,8 +1172,12 @@ kernels::MoeExpertsParamsOf<cuda::Bf16, cuda::Bf16> CudaForward::ExpertsParams(
       p.packed_down = moe.down.get();
       break;
     case Layout::kInt4:
-      p.int4_gate_up = moe.int4_gate_up.get();
-      p.int4_down = moe.int4_down.get();
+      p.int4_gate_up = moe.records_gate_up.get();
+      p.int4_down = moe.records_down.get();
+      break;
+    case Layout::kFp8:
+      p.fp8_gate_up = moe.records_gate_up.get();
+      p.fp8_down = moe.records_down.get();
       break;
   }
   return p;

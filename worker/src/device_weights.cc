@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "treeverify/kernels/cuda/device_fill.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_fp8_tiles.h"
 #include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/status.h"
@@ -41,53 +43,125 @@ absl::StatusOr<bool> ExpertsAsTiles(int64_t hidden, int64_t intermediate) {
   return kernels::cuda::MoeTilesReadable(hidden, intermediate, major);
 }
 
-// Whether the weight stream reads INT4 experts of this quantization as its stages: groups of 32.
-bool Int4Streamable(const WeightQuantization& q) {
-  return q.method == WeightQuantization::Method::kInt4Group &&
-         q.group_size == kernels::cuda::MoeInt4Layout::kGroup;
+using Layout = DeviceMoeWeights::Layout;
+
+// The records the weight stream reads experts of this quantization as (kInt4: groups of 32; kFp8:
+// blocks of 128 x 128), or kRows where it reads them as bf16.
+Layout QuantizedExpertLayout(const WeightQuantization& q) {
+  using Method = WeightQuantization::Method;
+  if (q.method == Method::kInt4Group && q.group_size == kernels::cuda::MoeInt4Records::kGroup) {
+    return Layout::kInt4;
+  }
+  if (q.method == Method::kFp8Block && q.block_rows == kernels::cuda::MoeFp8Records::kBlock &&
+      q.block_cols == kernels::cuda::MoeFp8Records::kBlock) {
+    return Layout::kFp8;
+  }
+  return Layout::kRows;
 }
 
-// One kind of matrix (gate, up or down) of every held INT4 expert, as the checkpoint stores it,
-// on the device: words [experts, rows, ceil(cols / 8)], bf16 scales [experts, rows, groups].
-struct DeviceInt4Matrices {
-  DeviceArray<uint32_t> words;
-  DeviceArray<Bf16> scales;
+// One kind of matrix (gate, up or down) of every held quantized expert as the checkpoint stores
+// it, on the device, experts one after another: INT4 words [rows, ceil(cols / 8)] (uint32) with
+// bf16 scales [rows, ceil(cols / 32)], or FP8 bytes [rows, cols] with fp32 scales
+// [ceil(rows / 128), ceil(cols / 128)].
+struct DeviceQuantizedMatrices {
+  DeviceArray<uint8_t> values;
+  DeviceArray<uint8_t> scales;
 };
 
-// The INT4 experts into the weight stream's stages (`moe.layout` becomes kInt4); the checkpoint
-// layout's arrays are no longer needed after.
-absl::Status StageInt4Experts(int64_t experts, int64_t hidden, int64_t intermediate,
-                              const DeviceInt4Matrices& gate, const DeviceInt4Matrices& up,
-                              const DeviceInt4Matrices& down, DeviceMoeWeights& moe) {
-  const auto gate_up_layout = kernels::cuda::Int4GateUpLayout(intermediate, hidden);
-  const auto down_layout = kernels::cuda::Int4DownLayout(hidden, intermediate);
-  TV_ASSIGN_OR_RETURN(moe.int4_gate_up,
+// The quantized experts into the weight stream's records of `format` (kInt4 or kFp8, which
+// `moe.layout` becomes); the checkpoint layout's arrays are no longer needed after.
+absl::Status StageQuantizedExperts(Layout format, int64_t experts, int64_t hidden,
+                                   int64_t intermediate, const DeviceQuantizedMatrices& gate,
+                                   const DeviceQuantizedMatrices& up,
+                                   const DeviceQuantizedMatrices& down, DeviceMoeWeights& moe) {
+  namespace cuda = kernels::cuda;
+  const bool int4 = format == Layout::kInt4;
+  const cuda::MoeRecordLayout gate_up_layout = int4 ? cuda::Int4GateUpLayout(intermediate, hidden)
+                                                    : cuda::Fp8GateUpLayout(intermediate, hidden);
+  const cuda::MoeRecordLayout down_layout =
+      int4 ? cuda::Int4DownLayout(hidden, intermediate) : cuda::Fp8DownLayout(hidden, intermediate);
+  TV_ASSIGN_OR_RETURN(moe.records_gate_up,
                       DeviceArray<uint8_t>::Allocate(experts * gate_up_layout.ExpertBytes()));
-  TV_ASSIGN_OR_RETURN(moe.int4_down,
+  TV_ASSIGN_OR_RETURN(moe.records_down,
                       DeviceArray<uint8_t>::Allocate(experts * down_layout.ExpertBytes()));
-  TV_RETURN_IF_ERROR(kernels::cuda::PackInt4ExpertTilesOnDevice(
-      {gate.words.get(), up.words.get()}, {gate.scales.get(), up.scales.get()}, experts,
-      gate_up_layout, moe.int4_gate_up.get(), nullptr));
-  TV_RETURN_IF_ERROR(kernels::cuda::PackInt4ExpertTilesOnDevice(
-      {down.words.get(), nullptr}, {down.scales.get(), nullptr}, experts, down_layout,
-      moe.int4_down.get(), nullptr));
+  auto words = [](const DeviceQuantizedMatrices& m) {
+    return reinterpret_cast<const uint32_t*>(m.values.get());
+  };
+  auto bf16_scales = [](const DeviceQuantizedMatrices& m) {
+    return reinterpret_cast<const Bf16*>(m.scales.get());
+  };
+  auto fp32_scales = [](const DeviceQuantizedMatrices& m) {
+    return reinterpret_cast<const float*>(m.scales.get());
+  };
+  if (int4) {
+    TV_RETURN_IF_ERROR(cuda::PackInt4ExpertTilesOnDevice(
+        {words(gate), words(up)}, {bf16_scales(gate), bf16_scales(up)}, experts, gate_up_layout,
+        moe.records_gate_up.get(), nullptr));
+    TV_RETURN_IF_ERROR(
+        cuda::PackInt4ExpertTilesOnDevice({words(down), nullptr}, {bf16_scales(down), nullptr},
+                                          experts, down_layout, moe.records_down.get(), nullptr));
+  } else {
+    TV_RETURN_IF_ERROR(cuda::PackFp8ExpertTilesOnDevice(
+        {gate.values.get(), up.values.get()}, {fp32_scales(gate), fp32_scales(up)}, experts,
+        gate_up_layout, moe.records_gate_up.get(), nullptr));
+    TV_RETURN_IF_ERROR(
+        cuda::PackFp8ExpertTilesOnDevice({down.values.get(), nullptr}, {fp32_scales(down), nullptr},
+                                         experts, down_layout, moe.records_down.get(), nullptr));
+  }
   TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  moe.layout = DeviceMoeWeights::Layout::kInt4;
+  moe.layout = format;
   return absl::OkStatus();
 }
 
-// A loaded kind of INT4 matrix, every held expert's, to the device as stored.
-absl::StatusOr<DeviceInt4Matrices> ToDevice(const std::vector<Int4Matrix>& matrices) {
-  std::vector<uint32_t> words;
-  std::vector<Bf16> scales;
+template <typename T>
+void AppendBytes(const std::vector<T>& values, std::vector<uint8_t>& bytes) {
+  const auto* begin = reinterpret_cast<const uint8_t*>(values.data());
+  bytes.insert(bytes.end(), begin, begin + values.size() * sizeof(T));
+}
+
+// A loaded kind of quantized matrix, every held expert's, to the device as stored.
+absl::StatusOr<DeviceQuantizedMatrices> ToDevice(const std::vector<Int4Matrix>& matrices) {
+  std::vector<uint8_t> values, scales;
   for (const Int4Matrix& m : matrices) {
-    words.insert(words.end(), m.words.begin(), m.words.end());
-    for (uint16_t bits : m.scales) scales.push_back(__nv_bfloat16_raw{bits});
+    AppendBytes(m.words, values);
+    AppendBytes(m.scales, scales);
   }
-  DeviceInt4Matrices device;
-  TV_ASSIGN_OR_RETURN(device.words, Copy(words));
+  DeviceQuantizedMatrices device;
+  TV_ASSIGN_OR_RETURN(device.values, Copy(values));
   TV_ASSIGN_OR_RETURN(device.scales, Copy(scales));
   return device;
+}
+absl::StatusOr<DeviceQuantizedMatrices> ToDevice(const std::vector<Fp8Matrix>& matrices) {
+  std::vector<uint8_t> values, scales;
+  for (const Fp8Matrix& m : matrices) {
+    AppendBytes(m.bytes, values);
+    AppendBytes(m.scales, scales);
+  }
+  DeviceQuantizedMatrices device;
+  TV_ASSIGN_OR_RETURN(device.values, Copy(values));
+  TV_ASSIGN_OR_RETURN(device.scales, Copy(scales));
+  return device;
+}
+
+// The held experts' quantized form on the device where every one is stored in `format`.
+absl::StatusOr<bool> UploadQuantizedExperts(const MoeWeights& moe, Layout format, int64_t hidden,
+                                            int64_t intermediate, DeviceMoeWeights& device) {
+  const int64_t experts = static_cast<int64_t>(moe.gate_proj.size());
+  std::optional<DeviceQuantizedMatrices> gate, up, down;
+  if (format == Layout::kInt4 && !moe.int4_gate.empty()) {
+    TV_ASSIGN_OR_RETURN(gate, ToDevice(moe.int4_gate));
+    TV_ASSIGN_OR_RETURN(up, ToDevice(moe.int4_up));
+    TV_ASSIGN_OR_RETURN(down, ToDevice(moe.int4_down));
+  } else if (format == Layout::kFp8 && !moe.fp8_gate.empty()) {
+    TV_ASSIGN_OR_RETURN(gate, ToDevice(moe.fp8_gate));
+    TV_ASSIGN_OR_RETURN(up, ToDevice(moe.fp8_up));
+    TV_ASSIGN_OR_RETURN(down, ToDevice(moe.fp8_down));
+  } else {
+    return false;
+  }
+  TV_RETURN_IF_ERROR(
+      StageQuantizedExperts(format, experts, hidden, intermediate, *gate, *up, *down, device));
+  return true;
 }
 
 // The experts as the weight stream's tiles (`layout`), from row-major arrays on the device of
@@ -219,12 +293,13 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     const int64_t experts = static_cast<int64_t>(moe.gate_proj.size());
     TV_ASSIGN_OR_RETURN(const bool tiles, ExpertsAsTiles(hidden, intermediate));
     DeviceMoeWeights& d_moe = out.moe;
-    if (tiles && !moe.int4_gate.empty() && Int4Streamable(weights.config.quantization)) {
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices gate, ToDevice(moe.int4_gate));
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices up, ToDevice(moe.int4_up));
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices down, ToDevice(moe.int4_down));
-      TV_RETURN_IF_ERROR(StageInt4Experts(experts, hidden, intermediate, gate, up, down, d_moe));
-    } else {
+    bool quantized = false;
+    if (tiles) {
+      TV_ASSIGN_OR_RETURN(
+          quantized, UploadQuantizedExperts(moe, QuantizedExpertLayout(weights.config.quantization),
+                                            hidden, intermediate, d_moe));
+    }
+    if (!quantized) {
       // Row-major with pointers where they stay so, else only on the way to the tiles.
       const bool keep_rows = !tiles;
       TV_RETURN_IF_ERROR(
@@ -280,23 +355,39 @@ class RandomTensors {
     TV_ASSIGN_OR_RETURN(pointers, Copy(starts));
     return absl::OkStatus();
   }
-  // `count` INT4 matrices of rows x fan_in as a checkpoint stores them: uniform nibbles, scales
-  // uniform in [-a, a) with a such that the weights' std is 1/sqrt(fan_in) (the nibbles' values
-  // -8..7 have a mean square of 21.5). One seed, as the bf16 experts take, so that later tensors
-  // (the routers) are the same in both layouts.
-  absl::StatusOr<DeviceInt4Matrices> Int4Experts(int64_t count, int64_t rows, int64_t fan_in) {
-    DeviceInt4Matrices m;
-    const uint32_t seed = ++seed_;
-    const int64_t groups =
-        (fan_in + kernels::cuda::MoeInt4Layout::kGroup - 1) / kernels::cuda::MoeInt4Layout::kGroup;
-    TV_ASSIGN_OR_RETURN(m.words,
-                        DeviceArray<uint32_t>::Allocate(count * rows * ((fan_in + 7) / 8)));
-    TV_RETURN_IF_ERROR(kernels::cuda::FillRandomBits(m.words.get(), m.words.size(), seed, nullptr));
-    TV_ASSIGN_OR_RETURN(m.scales, DeviceArray<Bf16>::Allocate(count * rows * groups));
-    const double half_width = std::sqrt(3.0 / (21.5 * static_cast<double>(fan_in)));
-    TV_RETURN_IF_ERROR(kernels::cuda::FillUniform(m.scales.get(), m.scales.size(),
-                                                  static_cast<float>(half_width),
-                                                  seed ^ 0x9e3779b9u, nullptr));
+  // `count` quantized matrices of rows x fan_in as a checkpoint stores them, the weights' std
+  // 1/sqrt(fan_in): INT4, uniform nibbles (values -8..7, mean square 21.5) with bf16 scales
+  // uniform in [-a, a); FP8, e4m3 of values uniform in [-1, 1) (std 1/sqrt(3)) with fp32 scales
+  // uniform in [-a, a). One seed, as the bf16 experts take, so that later tensors (the routers)
+  // are the same in every layout.
+  absl::StatusOr<DeviceQuantizedMatrices> QuantizedExperts(Layout format, int64_t count,
+                                                           int64_t rows, int64_t fan_in) {
+    namespace cuda = kernels::cuda;
+    DeviceQuantizedMatrices m;
+    const uint32_t seed = ++seed_, scale_seed = seed ^ 0x9e3779b9u;
+    const double fan = static_cast<double>(fan_in);
+    if (format == Layout::kInt4) {
+      const int64_t words = count * rows * ((fan_in + 7) / 8);
+      const int64_t groups =
+          (fan_in + cuda::MoeInt4Records::kGroup - 1) / cuda::MoeInt4Records::kGroup;
+      TV_ASSIGN_OR_RETURN(m.values, DeviceArray<uint8_t>::Allocate(4 * words));
+      TV_RETURN_IF_ERROR(
+          cuda::FillRandomBits(reinterpret_cast<uint32_t*>(m.values.get()), words, seed, nullptr));
+      TV_ASSIGN_OR_RETURN(m.scales, DeviceArray<uint8_t>::Allocate(2 * count * rows * groups));
+      TV_RETURN_IF_ERROR(cuda::FillUniform(
+          reinterpret_cast<Bf16*>(m.scales.get()), count * rows * groups,
+          static_cast<float>(std::sqrt(3.0 / (21.5 * fan))), scale_seed, nullptr));
+      return m;
+    }
+    const int64_t block = cuda::MoeFp8Records::kBlock;
+    const int64_t blocks = count * ((rows + block - 1) / block) * ((fan_in + block - 1) / block);
+    TV_ASSIGN_OR_RETURN(m.values, DeviceArray<uint8_t>::Allocate(count * rows * fan_in));
+    TV_RETURN_IF_ERROR(
+        cuda::FillUniformFp8E4M3(m.values.get(), m.values.size(), 1.0f, seed, nullptr));
+    TV_ASSIGN_OR_RETURN(m.scales, DeviceArray<uint8_t>::Allocate(4 * blocks));
+    TV_RETURN_IF_ERROR(cuda::FillUniform(reinterpret_cast<float*>(m.scales.get()), blocks,
+                                         static_cast<float>(3.0 / std::sqrt(fan)), scale_seed,
+                                         nullptr));
     return m;
   }
 
@@ -353,15 +444,17 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     const int64_t local = plan.experts.size();
     const int64_t intermediate = plan.expert_intermediate.size();
     TV_ASSIGN_OR_RETURN(const bool tiles, ExpertsAsTiles(hidden, intermediate));
-    if (tiles && Int4Streamable(c.quantization)) {
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices gate,
-                          random.Int4Experts(local, intermediate, hidden));
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices up,
-                          random.Int4Experts(local, intermediate, hidden));
-      TV_ASSIGN_OR_RETURN(const DeviceInt4Matrices down,
-                          random.Int4Experts(local, hidden, intermediate));
+    const Layout quantized = QuantizedExpertLayout(c.quantization);
+    if (tiles && quantized != Layout::kRows) {
+      TV_ASSIGN_OR_RETURN(const DeviceQuantizedMatrices gate,
+                          random.QuantizedExperts(quantized, local, intermediate, hidden));
+      TV_ASSIGN_OR_RETURN(const DeviceQuantizedMatrices up,
+                          random.QuantizedExperts(quantized, local, intermediate, hidden));
+      TV_ASSIGN_OR_RETURN(const DeviceQuantizedMatrices down,
+                          random.QuantizedExperts(quantized, local, hidden, intermediate));
       TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
-      TV_RETURN_IF_ERROR(StageInt4Experts(local, hidden, intermediate, gate, up, down, moe));
+      TV_RETURN_IF_ERROR(
+          StageQuantizedExperts(quantized, local, hidden, intermediate, gate, up, down, moe));
       TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
       continue;
     }

@@ -118,12 +118,31 @@ absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string
       m.int4_up.push_back(*std::move(up));
       m.int4_down.push_back(*std::move(down));
     }
+    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_gate,
+                        reader.ReadFp8(expert + "gate_proj.weight", {inter, hidden}, columns.begin,
+                                       columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_up,
+                        reader.ReadFp8(expert + "up_proj.weight", {inter, hidden}, columns.begin,
+                                       columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_down,
+                        reader.ReadFp8(expert + "down_proj.weight", {hidden, inter}, 0, hidden,
+                                       columns.begin, columns.end));
+    if (fp8_gate && fp8_up && fp8_down) {
+      m.fp8_gate.push_back(*std::move(fp8_gate));
+      m.fp8_up.push_back(*std::move(fp8_up));
+      m.fp8_down.push_back(*std::move(fp8_down));
+    }
   }
   // Quantized for the GPU only where every held expert is.
   if (m.int4_gate.size() != m.gate_proj.size()) {
     m.int4_gate.clear();
     m.int4_up.clear();
     m.int4_down.clear();
+  }
+  if (m.fp8_gate.size() != m.gate_proj.size()) {
+    m.fp8_gate.clear();
+    m.fp8_up.clear();
+    m.fp8_down.clear();
   }
   for (size_t i = 0; i < m.gate_proj.size(); ++i) {
     m.gate_ptrs.push_back(m.gate_proj[i].data());

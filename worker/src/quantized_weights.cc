@@ -11,6 +11,20 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// w = fp8 x its block's scale, in fp32.
+std::vector<float> Dequantized(const Fp8Matrix& m) {
+  const int64_t scale_cols = CeilDiv(m.cols, m.block_cols);
+  std::vector<float> values(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    const float* row_scales = m.scales.data() + (r / m.block_rows) * scale_cols;
+    for (int64_t c = 0; c < m.cols; ++c) {
+      values[r * m.cols + c] =
+          Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) * row_scales[c / m.block_cols];
+    }
+  }
+  return values;
+}
+
 // w = (nibble - 8) x the group's scale, exact in fp32.
 std::vector<float> Dequantized(const Int4Matrix& m) {
   const int64_t words = CeilDiv(m.cols, 8), groups = CeilDiv(m.cols, m.group_size);
@@ -80,7 +94,8 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
         return absl::InvalidArgumentError(
             absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
       }
-      return Fp8(name, info, shape, r0, r1, c0, c1);
+      TV_ASSIGN_OR_RETURN(const Fp8Matrix stored, Fp8(name, info, shape, r0, r1, c0, c1));
+      return Dequantized(stored);
     }
   } else if (linear) {
     const std::string prefix = name.substr(0, name.size() - suffix.size());
@@ -105,10 +120,9 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
   return checkpoint_.Read(name, shape);
 }
 
-absl::StatusOr<std::vector<float>> WeightReader::Fp8(const std::string& name,
-                                                     const TensorInfo& info,
-                                                     const std::vector<int64_t>& shape, int64_t r0,
-                                                     int64_t r1, int64_t c0, int64_t c1) const {
+absl::StatusOr<Fp8Matrix> WeightReader::Fp8(const std::string& name, const TensorInfo& info,
+                                            const std::vector<int64_t>& shape, int64_t r0,
+                                            int64_t r1, int64_t c0, int64_t c1) const {
   if (info.shape != shape) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", ShapeString(info.shape),
                                                    ", expected ", ShapeString(shape)));
@@ -121,16 +135,18 @@ absl::StatusOr<std::vector<float>> WeightReader::Fp8(const std::string& name,
                       checkpoint_.Read(name + "_scale_inv", {CeilDiv(out, br), CeilDiv(in, bc)}));
   TV_ASSIGN_OR_RETURN(const uint8_t* bytes, checkpoint_.RawData(name));
   const int64_t scale_cols = CeilDiv(in, bc);
-  std::vector<float> values(static_cast<size_t>((r1 - r0) * (c1 - c0)));
+  Fp8Matrix slice{.rows = r1 - r0, .cols = c1 - c0, .block_rows = br, .block_cols = bc};
+  slice.bytes.resize(static_cast<size_t>(slice.rows * slice.cols));
   for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = bytes + r * in;
-    const float* row_scales = scales.data() + (r / br) * scale_cols;
-    float* destination = values.data() + (r - r0) * (c1 - c0);
-    for (int64_t c = c0; c < c1; ++c) {
-      destination[c - c0] = Fp8E4M3ToFloat(row[c]) * row_scales[c / bc];
-    }
+    std::memcpy(slice.bytes.data() + (r - r0) * slice.cols, bytes + r * in + c0,
+                static_cast<size_t>(slice.cols));
   }
-  return values;
+  // The slice's blocks: it starts on block edges.
+  for (int64_t r = r0 / br; r < CeilDiv(r1, br); ++r) {
+    for (int64_t c = c0 / bc; c < CeilDiv(c1, bc); ++c)
+      slice.scales.push_back(scales[r * scale_cols + c]);
+  }
+  return slice;
 }
 
 absl::StatusOr<Int4Matrix> WeightReader::Int4(const std::string& prefix,
@@ -238,6 +254,25 @@ absl::StatusOr<std::optional<Int4Matrix>> WeightReader::ReadInt4(const std::stri
         absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
   }
   TV_ASSIGN_OR_RETURN(Int4Matrix slice, Int4(prefix, shape, r0, r1, c0, c1));
+  return slice;
+}
+
+absl::StatusOr<std::optional<Fp8Matrix>> WeightReader::ReadFp8(const std::string& name,
+                                                               const std::vector<int64_t>& shape,
+                                                               int64_t r0, int64_t r1, int64_t c0,
+                                                               int64_t c1) const {
+  if (!checkpoint_.Has(name)) return std::nullopt;
+  TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint_.Info(name));
+  if (info.dtype != DType::kF8E4M3 || shape.size() != 2) return std::nullopt;
+  if (quantization_.method != WeightQuantization::Method::kFp8Block) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is F8_E4M3, but config.json's quantization_config does not say fp8"));
+  }
+  if (r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 || c1 > shape[1]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
+  }
+  TV_ASSIGN_OR_RETURN(Fp8Matrix slice, Fp8(name, info, shape, r0, r1, c0, c1));
   return slice;
 }
 

@@ -3,6 +3,8 @@
 // the values the GPU reads; the outputs then differ by the output's bf16 rounding (relative
 // 2^-8) and fp32 summation order, which the tolerances allow and nothing larger.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +26,7 @@
 #include "treeverify/kernels/cuda/kv_cache_ops.h"
 #include "treeverify/kernels/cuda/lm_head_summary.h"
 #include "treeverify/kernels/cuda/moe.h"
+#include "treeverify/kernels/cuda/moe_fp8_tiles.h"
 #include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/cuda/resident_gemm.h"
@@ -1014,62 +1017,101 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
   }
 }
 
-// One kind of matrix (gate, up or down) of every expert, INT4 as a checkpoint stores it (random
-// nibbles, bf16 scales per group of 32 columns), and its dequantized values.
-struct Int4Matrices {
-  std::vector<uint32_t> words;                  // [experts, rows, ceil(cols / 8)]
-  std::vector<Bf16> scales;                     // [experts, rows, ceil(cols / 32)]
-  std::vector<std::vector<float>> dequantized;  // per expert [rows, cols]: (nibble - 8) x scale
+// One kind of matrix (gate, up or down) of every expert as a checkpoint stores it, quantized, and
+// its dequantized values: INT4 (random nibbles, bf16 scales per group of 32 columns: words
+// [experts, rows, ceil(cols / 8)] and scales [experts, rows, ceil(cols / 32)]) or FP8 (random e4m3,
+// fp32 scales per 128 x 128 block: bytes [experts, rows, cols] and scales [experts, ceil(rows /
+// 128), ceil(cols / 128)]).
+enum class ExpertFormat { kInt4, kFp8 };
+struct QuantizedMatrices {
+  std::vector<uint8_t> values, scales;          // as the checkpoint stores them
+  std::vector<std::vector<float>> dequantized;  // per expert [rows, cols], as the loader does
 };
 
-Int4Matrices RandomInt4(std::mt19937& rng, int32_t experts, int64_t rows, int64_t cols) {
-  Int4Matrices m;
-  const int64_t words = (cols + 7) / 8, groups = (cols + 31) / 32;
+template <typename T>
+void Append(std::vector<uint8_t>& bytes, T value) {
+  const auto* begin = reinterpret_cast<const uint8_t*>(&value);
+  bytes.insert(bytes.end(), begin, begin + sizeof(T));
+}
+
+QuantizedMatrices RandomQuantized(ExpertFormat format, std::mt19937& rng, int32_t experts,
+                                  int64_t rows, int64_t cols) {
+  QuantizedMatrices m;
   std::uniform_int_distribution<uint32_t> bits;
-  // Weights of std about 1/sqrt(cols): the nibbles' values have an rms of 4.6.
-  std::normal_distribution<float> scale(0.0f, 1.0f / (4.6f * std::sqrt(static_cast<float>(cols))));
+  const float fan_in = static_cast<float>(cols);
+  if (format == ExpertFormat::kInt4) {
+    const int64_t words = (cols + 7) / 8, groups = (cols + 31) / 32;
+    // Weights of std about 1/sqrt(cols): the nibbles' values have an rms of 4.6.
+    std::normal_distribution<float> scale(0.0f, 1.0f / (4.6f * std::sqrt(fan_in)));
+    for (int32_t e = 0; e < experts; ++e) {
+      std::vector<float>& values = m.dequantized.emplace_back(rows * cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::vector<uint32_t> row_words(words);
+        std::vector<float> row_scales(groups);
+        for (uint32_t& w : row_words) Append(m.values, w = bits(rng));
+        for (float& g : row_scales) {
+          const Bf16 bf16 = __float2bfloat16_rn(scale(rng));
+          Append(m.scales, bf16);
+          g = __bfloat162float(bf16);
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          const int nibble = static_cast<int>(row_words[c / 8] >> (4 * (c % 8)) & 0xF);
+          values[r * cols + c] = static_cast<float>(nibble - 8) * row_scales[c / 32];
+        }
+      }
+    }
+    return m;
+  }
+  const int64_t block_rows = (rows + 127) / 128, block_cols = (cols + 127) / 128;
+  // e4m3 of every finite code's sign and size (0x7f and 0xff are NaN); weights of std about
+  // 1/sqrt(cols) with scales near 1/(8 sqrt(cols)) (the codes' values span +-448).
+  std::normal_distribution<float> scale(0.0f, 1.0f / (8.0f * std::sqrt(fan_in)));
+  std::uniform_int_distribution<int> code(0, 255), small(0x18, 0x58);
   for (int32_t e = 0; e < experts; ++e) {
+    std::vector<float> scales(block_rows * block_cols);
+    for (float& s : scales) Append(m.scales, s = scale(rng));
     std::vector<float>& values = m.dequantized.emplace_back(rows * cols);
     for (int64_t r = 0; r < rows; ++r) {
-      const size_t row_words = m.words.size(), row_scales = m.scales.size();
-      for (int64_t j = 0; j < words; ++j) m.words.push_back(bits(rng));
-      for (int64_t g = 0; g < groups; ++g) m.scales.push_back(__float2bfloat16_rn(scale(rng)));
       for (int64_t c = 0; c < cols; ++c) {
-        const int nibble = static_cast<int>(m.words[row_words + c / 8] >> (4 * (c % 8)) & 0xF);
-        values[r * cols + c] =
-            static_cast<float>(nibble - 8) * __bfloat162float(m.scales[row_scales + c / 32]);
+        // Mostly small codes (sizes like a trained layer's), every finite code now and then.
+        int byte = code(rng) % 8 == 0 ? code(rng) : small(rng) | (code(rng) & 0x80);
+        if ((byte & 0x7f) == 0x7f) byte &= 0xfe;
+        m.values.push_back(static_cast<uint8_t>(byte));
+        const float value = __half2float(
+            __half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(byte), __NV_E4M3)));
+        values[r * cols + c] = value * scales[(r / 128) * block_cols + c / 128];
       }
     }
   }
   return m;
 }
 
-// INT4 experts (moe_int4_tiles.h, W4A16) stream the sums of the bf16 tiles of their dequantized
-// weights (the bf16 a loader rounds them to; bit for bit where neither stream parts the
-// reduction), and so are close to the CPU backend on the dequantized fp32 weights: at shapes whose
-// groups, chunks and row tiles end part way (a scale of a partial group, nibbles past the matrix),
-// with more than a token group per expert, at few pairs (reductions in parts), at a Kimi-K2 rank's
-// shape, and at prefill sizes (where the bf16 experts take the grouped GEMM and INT4 ones still
-// stream: close to the CPU only).
-TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
-  if (device_.compute_capability_major < 9) {
-    GTEST_SKIP() << "GPU test skipped: INT4 experts stream on sm_90 and later";
-  }
+// Quantized experts (moe_records.h: INT4, W4A16; FP8, W8A16) stream the sums of the bf16 tiles of
+// their dequantized weights (the bf16 a loader rounds them to; bit for bit where neither stream
+// parts the reduction), and so are close to the CPU backend on the dequantized fp32 weights: at
+// shapes whose groups, chunks, blocks and row tiles end part way (a partial group's or block's
+// scale, values past the matrix), with more than a token group per expert, at few pairs
+// (reductions in parts), at a Kimi-K2 rank's shape, and at prefill sizes (where the bf16 experts
+// take the grouped GEMM and quantized ones still stream: close to the CPU only).
+void ExpectQuantizedExpertsStream(ExpertFormat format) {
   struct Case {
     int64_t tokens;
     int32_t experts, top_k;
     int64_t hidden, intermediate;
   };
-  const unsigned seed = 4096;
+  const unsigned seed = format == ExpertFormat::kInt4 ? 4096 : 8192;
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
+  const bool int4 = format == ExpertFormat::kInt4;
   for (const Case& c : {Case{16, 8, 4, 256, 64}, Case{40, 8, 6, 232, 72}, Case{3, 16, 8, 7168, 256},
                         Case{600, 16, 4, 128, 64}}) {
     SCOPED_TRACE(testing::Message() << c.tokens << " tokens, " << c.experts << " experts, hidden "
                                     << c.hidden << ", intermediate " << c.intermediate);
-    const Int4Matrices gate = RandomInt4(rng, c.experts, c.intermediate, c.hidden);
-    const Int4Matrices up = RandomInt4(rng, c.experts, c.intermediate, c.hidden);
-    const Int4Matrices down = RandomInt4(rng, c.experts, c.hidden, c.intermediate);
+    const QuantizedMatrices gate =
+        RandomQuantized(format, rng, c.experts, c.intermediate, c.hidden);
+    const QuantizedMatrices up = RandomQuantized(format, rng, c.experts, c.intermediate, c.hidden);
+    const QuantizedMatrices down =
+        RandomQuantized(format, rng, c.experts, c.hidden, c.intermediate);
     const std::vector<float> x = RoundToBf16(Random(rng, c.tokens * c.hidden));
     std::vector<int32_t> ids;
     std::vector<float> topk_weights;
@@ -1104,29 +1146,40 @@ TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
                                  .num_local_experts = c.experts})
                     .ok());
 
-    // The INT4 stages, packed on the device from the checkpoint's layout.
-    const MoeInt4Layout int4_gate_up = Int4GateUpLayout(c.intermediate, c.hidden);
-    const MoeInt4Layout int4_down = Int4DownLayout(c.hidden, c.intermediate);
-    DeviceBuffer<uint32_t> d_gate_words(gate.words.size()), d_up_words(up.words.size()),
-        d_down_words(down.words.size());
-    DeviceBuffer<Bf16> d_gate_scales(gate.scales.size()), d_up_scales(up.scales.size()),
-        d_down_scales(down.scales.size());
-    d_gate_words.CopyFrom(gate.words);
-    d_up_words.CopyFrom(up.words);
-    d_down_words.CopyFrom(down.words);
-    d_gate_scales.CopyFrom(gate.scales);
-    d_up_scales.CopyFrom(up.scales);
-    d_down_scales.CopyFrom(down.scales);
-    DeviceBuffer<uint8_t> d_int4_gate_up(c.experts * int4_gate_up.ExpertBytes()),
-        d_int4_down(c.experts * int4_down.ExpertBytes());
-    ASSERT_TRUE(PackInt4ExpertTilesOnDevice({d_gate_words.get(), d_up_words.get()},
-                                            {d_gate_scales.get(), d_up_scales.get()}, c.experts,
-                                            int4_gate_up, d_int4_gate_up.get(), nullptr)
-                    .ok());
-    ASSERT_TRUE(PackInt4ExpertTilesOnDevice({d_down_words.get(), nullptr},
-                                            {d_down_scales.get(), nullptr}, c.experts, int4_down,
-                                            d_int4_down.get(), nullptr)
-                    .ok());
+    // The records, packed on the device from the checkpoint's layout.
+    const MoeRecordLayout gate_up_records = int4 ? Int4GateUpLayout(c.intermediate, c.hidden)
+                                                 : Fp8GateUpLayout(c.intermediate, c.hidden);
+    const MoeRecordLayout down_records =
+        int4 ? Int4DownLayout(c.hidden, c.intermediate) : Fp8DownLayout(c.hidden, c.intermediate);
+    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> stored;
+    for (const QuantizedMatrices* m : {&gate, &up, &down}) {
+      for (const std::vector<uint8_t>* bytes : {&m->values, &m->scales}) {
+        stored.push_back(std::make_unique<DeviceBuffer<uint8_t>>(bytes->size()));
+        stored.back()->CopyFrom(*bytes);
+      }
+    }
+    auto values = [&](int m) { return stored[2 * m]->get(); };
+    auto scales = [&](int m) { return stored[2 * m + 1]->get(); };
+    DeviceBuffer<uint8_t> d_gate_up(c.experts * gate_up_records.ExpertBytes()),
+        d_down(c.experts * down_records.ExpertBytes());
+    if (int4) {
+      auto words = [&](int m) { return reinterpret_cast<const uint32_t*>(values(m)); };
+      auto bf16 = [&](int m) { return reinterpret_cast<const Bf16*>(scales(m)); };
+      ASSERT_TRUE(PackInt4ExpertTilesOnDevice({words(0), words(1)}, {bf16(0), bf16(1)}, c.experts,
+                                              gate_up_records, d_gate_up.get(), nullptr)
+                      .ok());
+      ASSERT_TRUE(PackInt4ExpertTilesOnDevice({words(2), nullptr}, {bf16(2), nullptr}, c.experts,
+                                              down_records, d_down.get(), nullptr)
+                      .ok());
+    } else {
+      auto fp32 = [&](int m) { return reinterpret_cast<const float*>(scales(m)); };
+      ASSERT_TRUE(PackFp8ExpertTilesOnDevice({values(0), values(1)}, {fp32(0), fp32(1)}, c.experts,
+                                             gate_up_records, d_gate_up.get(), nullptr)
+                      .ok());
+      ASSERT_TRUE(PackFp8ExpertTilesOnDevice({values(2), nullptr}, {fp32(2), nullptr}, c.experts,
+                                             down_records, d_down.get(), nullptr)
+                      .ok());
+    }
     // The bf16 tiles of the dequantized weights.
     const MoeTileLayout gate_up_layout = GateUpTileLayout(c.intermediate, c.hidden);
     const MoeTileLayout down_layout = DownTileLayout(c.hidden, c.intermediate);
@@ -1151,27 +1204,27 @@ TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
         MoeExpertsWorkspaceBytes(c.tokens, c.top_k, c.experts, c.intermediate, c.hidden);
     DeviceBuffer<uint8_t> workspace(bytes);
     ASSERT_EQ(cudaMemset(workspace.get(), 0, bytes), cudaSuccess);
-    const MoeExpertsParamsOf<Bf16, Bf16> int4{.x = d_x.get(),
-                                              .topk_ids = d_ids.get(),
-                                              .topk_weights = d_topk_weights.get(),
-                                              .out = d_out.get(),
-                                              .tokens = c.tokens,
-                                              .top_k = c.top_k,
-                                              .hidden = c.hidden,
-                                              .intermediate = c.intermediate,
-                                              .num_local_experts = c.experts,
-                                              .int4_gate_up = d_int4_gate_up.get(),
-                                              .int4_down = d_int4_down.get()};
-    ASSERT_TRUE(MoeExperts(int4, workspace.get(), bytes, nullptr).ok());
+    MoeExpertsParamsOf<Bf16, Bf16> quantized{.x = d_x.get(),
+                                             .topk_ids = d_ids.get(),
+                                             .topk_weights = d_topk_weights.get(),
+                                             .out = d_out.get(),
+                                             .tokens = c.tokens,
+                                             .top_k = c.top_k,
+                                             .hidden = c.hidden,
+                                             .intermediate = c.intermediate,
+                                             .num_local_experts = c.experts};
+    (int4 ? quantized.int4_gate_up : quantized.fp8_gate_up) = d_gate_up.get();
+    (int4 ? quantized.int4_down : quantized.fp8_down) = d_down.get();
+    ASSERT_TRUE(MoeExperts(quantized, workspace.get(), bytes, nullptr).ok());
     const std::vector<float> streamed = d_out.ToHost();
     double scale_out = 0.0;
     for (float v : expected) scale_out = std::max(scale_out, double{std::abs(v)});
-    ExpectClose(streamed, expected, 2 * kBf16Relative, 0.01f * scale_out, "INT4 experts");
-    ASSERT_TRUE(MoeExperts(int4, workspace.get(), bytes, nullptr).ok());
+    ExpectClose(streamed, expected, 2 * kBf16Relative, 0.01f * scale_out, "quantized experts");
+    ASSERT_TRUE(MoeExperts(quantized, workspace.get(), bytes, nullptr).ok());
     EXPECT_EQ(d_out.ToHost(), streamed) << "a second launch";
 
-    MoeExpertsParamsOf<Bf16, Bf16> bf16 = int4;
-    bf16.int4_gate_up = bf16.int4_down = nullptr;
+    MoeExpertsParamsOf<Bf16, Bf16> bf16 = quantized;
+    bf16.int4_gate_up = bf16.int4_down = bf16.fp8_gate_up = bf16.fp8_down = nullptr;
     bf16.packed_gate = d_gate_up_tiles.get();
     bf16.packed_up = d_gate_up_tiles.get() + gate_up_layout.TileElements();
     bf16.packed_down = d_down_tiles.get();
@@ -1184,11 +1237,26 @@ TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
       // order.
       EXPECT_EQ(streamed, tiles) << "the bf16 stream of the dequantized weights";
     } else {
-      // Parted reductions: the INT4 stream cuts its parts at its 256-column stages' edges, the
-      // bf16 stream at its 64-column ones, so the fp32 partial sums add in other groupings.
+      // Parted reductions: the quantized stream cuts its parts at its stages' edges (256 or 128
+      // columns), the bf16 stream at its 64-column ones, so the fp32 partial sums add in other
+      // groupings.
       ExpectClose(streamed, tiles, 1e-5f, 1e-5f * scale_out, "the bf16 stream, parted");
     }
   }
+}
+
+TEST_F(CudaForwardOpsTest, MoeExpertsInt4StreamsItsDequantizedWeights) {
+  if (device_.compute_capability_major < 9) {
+    GTEST_SKIP() << "GPU test skipped: quantized experts stream on sm_90 and later";
+  }
+  ExpectQuantizedExpertsStream(ExpertFormat::kInt4);
+}
+
+TEST_F(CudaForwardOpsTest, MoeExpertsFp8StreamsItsDequantizedWeights) {
+  if (device_.compute_capability_major < 9) {
+    GTEST_SKIP() << "GPU test skipped: quantized experts stream on sm_90 and later";
+  }
+  ExpectQuantizedExpertsStream(ExpertFormat::kFp8);
 }
 
 // The routing's last block groups the pairs (MoeRoutingAndGrouping) exactly as MoeExperts' own
@@ -1506,6 +1574,20 @@ TEST(CudaForwardOpsParamsTest, BadShapesAreInvalidArguments) {
   int4_half.int4_gate_up = int4_stages;
   EXPECT_EQ(MoeExperts(int4_half, workspace, needed, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
+  MoeExpertsParamsOf<Bf16, Bf16> two_formats = int4_half;  // INT4 and FP8 records at once
+  two_formats.int4_down = two_formats.fp8_gate_up = two_formats.fp8_down = int4_stages;
+  EXPECT_EQ(MoeExperts(two_formats, workspace, needed, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PackFp8ExpertTilesOnDevice({nullptr, nullptr}, {nullptr, nullptr}, 1,
+                                       Fp8GateUpLayout(64, 64), int4_stages, nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PackFp8ExpertTilesOnDevice({int4_stages, int4_stages},
+                                       {reinterpret_cast<const float*>(int4_stages),
+                                        reinterpret_cast<const float*>(int4_stages)},
+                                       1, Int4GateUpLayout(64, 64), int4_stages, nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);  // an INT4 layout
   MoeExpertsParamsOf<Bf16, Bf16> int4_unaligned = int4_half;
   int4_unaligned.int4_down = int4_stages + 8;
   const absl::Status unaligned = MoeExperts(int4_unaligned, workspace, needed, nullptr);

@@ -71,11 +71,13 @@ struct MoeExpertsParamsOf {
   const Weight* packed_gate = nullptr;
   const Weight* packed_up = nullptr;
   const Weight* packed_down = nullptr;
-  // GPU only, optional, instead of all the above: INT4 experts as the weight stream's stages
-  // (treeverify/kernels/cuda/moe_int4_tiles.h: Int4GateUpLayout, Int4DownLayout), dequantized in
-  // registers.
+  // GPU only, optional, instead of all the above: quantized experts as the weight stream's
+  // records, dequantized in registers: INT4 (treeverify/kernels/cuda/moe_int4_tiles.h:
+  // Int4GateUpLayout, Int4DownLayout) or FP8 (moe_fp8_tiles.h: Fp8GateUpLayout, Fp8DownLayout).
   const uint8_t* int4_gate_up = nullptr;
   const uint8_t* int4_down = nullptr;
+  const uint8_t* fp8_gate_up = nullptr;
+  const uint8_t* fp8_down = nullptr;
 };
 using MoeExpertsParams = MoeExpertsParamsOf<float, float>;
 

@@ -42,18 +42,19 @@ struct DeviceAttentionWeights {
 struct DeviceMoeWeights {
   DeviceArray<Bf16> router;            // [n_routed_experts, hidden]
   DeviceArray<float> correction_bias;  // [n_routed_experts] (noaux_tc), else empty
-  // The held experts, in expert order, intermediate being this rank's columns, in one of three
+  // The held experts, in expert order, intermediate being this rank's columns, in one of four
   // layouts. Where the device's weight stream reads them (cuda::MoeTilesReadable: every
-  // production shape on sm_90 and later): INT4 experts (a Kimi-K2-Thinking checkpoint, or random
-  // weights of a config that says so) as its INT4 stages (cuda/moe_int4_tiles.h) in `int4_gate_up`
-  // and `int4_down`; others as its bf16 tiles (cuda/moe_tiles.h: gate and up interleaved in
-  // `gate`, `up` empty). Otherwise row-major bf16, [local, intermediate, hidden] (gate, up) and
-  // [local, hidden, intermediate] (down), with pointer arrays into them.
-  enum class Layout { kRows, kTiles, kInt4 };
+  // production shape on sm_90 and later): quantized experts (a Kimi-K2-Thinking or DeepSeek-V3
+  // checkpoint, or random weights of a config that says so) as its records (cuda/moe_records.h)
+  // in `records_gate_up` and `records_down`, INT4 (kInt4) or FP8 (kFp8); others as its bf16 tiles
+  // (cuda/moe_tiles.h: gate and up interleaved in `gate`, `up` empty). Otherwise row-major bf16,
+  // [local, intermediate, hidden] (gate, up) and [local, hidden, intermediate] (down), with
+  // pointer arrays into them.
+  enum class Layout { kRows, kTiles, kInt4, kFp8 };
   Layout layout = Layout::kRows;
   DeviceArray<Bf16> gate, up, down;                        // kRows, kTiles
   DeviceArray<const Bf16*> gate_ptrs, up_ptrs, down_ptrs;  // [local], kRows
-  DeviceArray<uint8_t> int4_gate_up, int4_down;            // kInt4
+  DeviceArray<uint8_t> records_gate_up, records_down;      // kInt4, kFp8
   DeviceMlpWeights shared;                                 // intermediate 0 without shared
 };
 
@@ -77,16 +78,18 @@ struct DeviceWeights {
 };
 
 // The loaded weights rounded to bf16 (round to nearest even) on the current device; the
-// correction bias stays fp32, as routing reads it. INT4 experts (MoeWeights::int4_*) stay INT4
-// where the weight stream reads them and their groups are of 32 (the stages' size).
+// correction bias stays fp32, as routing reads it. INT4 and FP8 experts (MoeWeights::int4_*,
+// fp8_*) stay so where the weight stream reads them and their groups are of 32 (INT4) or their
+// blocks 128 x 128 (FP8), the records' sizes; other FP8 weights (the dense projections) are
+// dequantized to bf16.
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
 
 // Random weights of this rank's shapes for benchmarks (the Kimi-K2 rank has no
 // checkpoint here): projections uniform with std 1/sqrt(fan_in), the router twice that, norms 1,
 // the correction bias within +-0.05, the LM head with std 8/sqrt(hidden) as the tiny models'.
-// Where config.quantization says INT4 groups of 32 and the stream reads them, the experts are
-// INT4: uniform nibbles, scales uniform with the same std for the weights. Values depend on
-// (seed, tensor), not on the launch.
+// Where config.quantization says INT4 groups of 32 (or FP8 blocks of 128 x 128) and the stream
+// reads them, the experts are INT4 (FP8): uniform nibbles (e4m3 of uniform values), scales that
+// give the weights the same std. Values depend on (seed, tensor), not on the launch.
 absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& config,
                                                   const ShardingPlan& plan, uint32_t seed);
 

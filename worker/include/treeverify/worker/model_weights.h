@@ -45,10 +45,11 @@ struct MoeWeights {
   // [hidden, intermediate] each.
   std::vector<std::vector<float>> gate_proj, up_proj, down_proj;
   std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;  // into the vectors above
-  // Where the checkpoint stores every held expert INT4 (Kimi-K2-Thinking), the same slices as
-  // stored, for the GPU's quantized expert stream (the vectors above hold their dequantized
-  // values, the CPU backend's); empty otherwise.
+  // Where the checkpoint stores every held expert INT4 (Kimi-K2-Thinking) or FP8 (DeepSeek-V3),
+  // the same slices as stored, for the GPU's quantized expert stream (the vectors above hold
+  // their dequantized values, the CPU backend's); empty otherwise.
   std::vector<Int4Matrix> int4_gate, int4_up, int4_down;
+  std::vector<Fp8Matrix> fp8_gate, fp8_up, fp8_down;
   MlpWeights shared;  // intermediate 0 without shared
 };
 

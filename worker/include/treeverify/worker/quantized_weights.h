@@ -40,6 +40,15 @@ struct Int4Matrix {
   std::vector<uint16_t> scales;  // bf16 bits, [rows, ceil(cols / group_size)]
 };
 
+// A slice of an FP8 weight as the checkpoint stores it (the slice starts on block edges, so its
+// blocks are the checkpoint's).
+struct Fp8Matrix {
+  int64_t rows = 0, cols = 0;  // of the slice
+  int64_t block_rows = 128, block_cols = 128;
+  std::vector<uint8_t> bytes;  // e4m3fn, [rows, cols]
+  std::vector<float> scales;   // [ceil(rows / block_rows), ceil(cols / block_cols)]
+};
+
 class WeightReader {
  public:
   // `checkpoint` must outlive the reader.
@@ -63,6 +72,11 @@ class WeightReader {
                                                      const std::vector<int64_t>& shape, int64_t r0,
                                                      int64_t r1, int64_t c0, int64_t c1) const;
 
+  // The same for an FP8 weight (`name` stored F8_E4M3 with `<name>_scale_inv`).
+  absl::StatusOr<std::optional<Fp8Matrix>> ReadFp8(const std::string& name,
+                                                   const std::vector<int64_t>& shape, int64_t r0,
+                                                   int64_t r1, int64_t c0, int64_t c1) const;
+
   const WeightQuantization& quantization() const { return quantization_; }
 
  private:
@@ -72,9 +86,9 @@ class WeightReader {
                                            const std::vector<int64_t>& shape, int64_t r0,
                                            int64_t r1, int64_t c0, int64_t c1, bool rows,
                                            bool columns) const;
-  absl::StatusOr<std::vector<float>> Fp8(const std::string& name, const TensorInfo& info,
-                                         const std::vector<int64_t>& shape, int64_t r0, int64_t r1,
-                                         int64_t c0, int64_t c1) const;
+  absl::StatusOr<Fp8Matrix> Fp8(const std::string& name, const TensorInfo& info,
+                                const std::vector<int64_t>& shape, int64_t r0, int64_t r1,
+                                int64_t c0, int64_t c1) const;
   absl::StatusOr<Int4Matrix> Int4(const std::string& prefix, const std::vector<int64_t>& shape,
                                   int64_t r0, int64_t r1, int64_t c0, int64_t c1) const;
 

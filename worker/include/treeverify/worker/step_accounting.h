@@ -73,7 +73,8 @@ struct StepShape {
   double weight_bytes = 2.0;
   double kv_bytes = 2.0;
   // The routed experts' bytes per weight as stored: weight_bytes, or 9/16 for INT4 groups of 32
-  // (half a byte and a bf16 scale per 32 weights).
+  // (half a byte and a bf16 scale per 32 weights), or about 1 for FP8 (a byte and an fp32 scale
+  // per 128 x 128).
   double expert_weight_bytes = 2.0;
 };
 

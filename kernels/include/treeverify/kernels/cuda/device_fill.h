@@ -19,6 +19,9 @@ absl::Status FillUniform(Bf16* data, int64_t count, float scale, uint32_t seed,
 absl::Status FillUniform(float* data, int64_t count, float scale, uint32_t seed,
                          cudaStream_t stream);
 absl::Status FillConstant(Bf16* data, int64_t count, float value, cudaStream_t stream);
+// e4m3 (fn) bytes of values uniform in [-scale, scale), rounded to nearest; scale at most 448.
+absl::Status FillUniformFp8E4M3(uint8_t* data, int64_t count, float scale, uint32_t seed,
+                                cudaStream_t stream);
 // Uniformly random words (packed INT4 weights), from the same hash of (seed, index).
 absl::Status FillRandomBits(uint32_t* data, int64_t count, uint32_t seed, cudaStream_t stream);
 
