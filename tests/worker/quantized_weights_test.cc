@@ -74,6 +74,9 @@ class QuantizedWeightsTest : public testing::Test {
   std::filesystem::path dir_;
 };
 
+// The bf16 nearest a dequantized product: the weights the formats stand for.
+float RoundToBf16(float product) { return Bf16ToFloat(FloatToBf16(product)); }
+
 // A random FP8 block-scaled weight [out, in] (blocks of 128, the last ones partial) and the values
 // it stands for, computed here element by element.
 struct Fp8Weight {
@@ -94,7 +97,7 @@ Fp8Weight MakeFp8(int64_t out, int64_t in, unsigned seed) {
   for (int64_t r = 0; r < out; ++r) {
     for (int64_t c = 0; c < in; ++c) {
       w.expected[r * in + c] =
-          Fp8E4M3ToFloat(codes[r * in + c]) * scales[(r / 128) * block_cols + c / 128];
+          RoundToBf16(Fp8E4M3ToFloat(codes[r * in + c]) * scales[(r / 128) * block_cols + c / 128]);
     }
   }
   w.tensors = {{"l.weight", "F8_E4M3", {out, in}, Bytes(codes)},
@@ -189,7 +192,8 @@ Int4Weight MakeInt4(int64_t out, int64_t in, bool shape_i64, unsigned seed) {
       uint32_t word = static_cast<uint32_t>(packed[r * words + c / 8]);
       word |= static_cast<uint32_t>(v + 8) << (4 * (c % 8));
       packed[r * words + c / 8] = static_cast<int32_t>(word);
-      w.expected[r * in + c] = static_cast<float>(v) * scale_values[r * groups + c / 32];
+      w.expected[r * in + c] =
+          RoundToBf16(static_cast<float>(v) * scale_values[r * groups + c / 32]);
     }
   }
   w.tensors = {{"e.weight_packed", "I32", {out, words}, Bytes(packed)},
@@ -260,8 +264,8 @@ TEST_F(QuantizedWeightsTest, Fp8SlicesReadAsStored) {
     ASSERT_EQ(m.scales.size(), static_cast<size_t>((m.rows + 127) / 128 * block_cols));
     for (int64_t r = 0; r < m.rows; ++r) {
       for (int64_t c = 0; c < m.cols; ++c) {
-        const float value =
-            Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) * m.scales[(r / 128) * block_cols + c / 128];
+        const float value = RoundToBf16(Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) *
+                                        m.scales[(r / 128) * block_cols + c / 128]);
         ASSERT_EQ(value, w.expected[(s.r0 + r) * in + s.c0 + c]) << r << ", " << c;
       }
     }
@@ -308,8 +312,8 @@ TEST_F(QuantizedWeightsTest, Int4SlicesReadAsStored) {
           EXPECT_EQ(nibble, 8) << "past the end, row " << r << ", column " << c;
           continue;
         }
-        const float value =
-            static_cast<float>(nibble - 8) * Bf16ToFloat(m.scales[r * groups + c / 32]);
+        const float value = RoundToBf16(static_cast<float>(nibble - 8) *
+                                        Bf16ToFloat(m.scales[r * groups + c / 32]));
         ASSERT_EQ(value, w.expected[(s.r0 + r) * in + s.c0 + c]) << r << ", " << c;
       }
     }

@@ -11,7 +11,12 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// w = fp8 x its block's scale, in fp32.
+// The bf16 nearest a dequantized product: the weight as the formats' own dequantization
+// materialises it (DeepSeek-V3's weight_dequant writes bf16; compressed-tensors unpacks to the
+// model's bf16), and as the GPU's streams compute it.
+float ToBf16(float product) { return Bf16ToFloat(FloatToBf16(product)); }
+
+// w = bf16(fp8 x its block's scale), the product in fp32.
 std::vector<float> Dequantized(const Fp8Matrix& m) {
   const int64_t scale_cols = CeilDiv(m.cols, m.block_cols);
   std::vector<float> values(static_cast<size_t>(m.rows * m.cols));
@@ -19,13 +24,13 @@ std::vector<float> Dequantized(const Fp8Matrix& m) {
     const float* row_scales = m.scales.data() + (r / m.block_rows) * scale_cols;
     for (int64_t c = 0; c < m.cols; ++c) {
       values[r * m.cols + c] =
-          Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) * row_scales[c / m.block_cols];
+          ToBf16(Fp8E4M3ToFloat(m.bytes[r * m.cols + c]) * row_scales[c / m.block_cols]);
     }
   }
   return values;
 }
 
-// w = (nibble - 8) x the group's scale, exact in fp32.
+// w = bf16((nibble - 8) x the group's scale), the product exact in fp32.
 std::vector<float> Dequantized(const Int4Matrix& m) {
   const int64_t words = CeilDiv(m.cols, 8), groups = CeilDiv(m.cols, m.group_size);
   std::vector<float> values(static_cast<size_t>(m.rows * m.cols));
@@ -36,7 +41,7 @@ std::vector<float> Dequantized(const Int4Matrix& m) {
       const uint32_t scale_bits = uint32_t{m.scales[r * groups + c / m.group_size]} << 16;
       float scale;
       std::memcpy(&scale, &scale_bits, 4);
-      values[r * m.cols + c] = static_cast<float>(nibble - 8) * scale;
+      values[r * m.cols + c] = ToBf16(static_cast<float>(nibble - 8) * scale);
     }
   }
   return values;

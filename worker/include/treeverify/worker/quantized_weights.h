@@ -4,13 +4,17 @@
 // - FP8 block-scaled (DeepSeek-V3 / R1; config.json `quantization_config` with `quant_method:
 //   fp8`, `weight_block_size: [128, 128]`): `<p>.weight` is F8_E4M3 (e4m3fn) [out, in] and
 //   `<p>.weight_scale_inv` F32 [ceil(out / 128), ceil(in / 128)]; w = fp8 x scale_inv of its
-//   128 x 128 block (a multiply, whatever the name says).
+//   128 x 128 block (a multiply, whatever the name says), rounded to bf16.
 // - INT4 group-quantized (Kimi-K2-Thinking style compressed-tensors `pack-quantized`, 4-bit
 //   symmetric int, groups of 32 along the input dimension): `<p>.weight_packed` I32
 //   [out, ceil(in / 8)], element 8j + i in bits 4i..4i+3 of word j, stored as value + 8;
 //   `<p>.weight_scale` BF16 [out, ceil(in / 32)]; `<p>.weight_shape` I32 or I64 [2] = {out, in};
-//   w = (nibble - 8) x scale of its group.
+//   w = (nibble - 8) x scale of its group, rounded to bf16.
 //
+// The rounding is the formats' own: their publishers' dequantization materialises bf16 weights
+// (DeepSeek-V3's weight_dequant computes the product in fp32 and stores bf16; compressed-tensors
+// unpacks to the model's bf16), and the GPU's quantized streams compute exactly these values, so
+// the CPU oracle and the GPU hold the same weights (docs/checkpoints.md).
 // Tensors the checkpoint stores plainly (bf16, f16, f32) read as before, so one reader serves
 // every weight. A tensor-parallel slice must not cut a quantization block (FP8: 128 rows or
 // columns) or group (INT4: 32 columns): such a split is refused with the sizes that would fit.
