@@ -586,10 +586,12 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     sm90::MbarrierWait(&full[slot], at.parity);
     const StageTicket ticket = tickets[slot];
     if (ticket.Count() == 0) return;
-    if constexpr (!kGateUp) {
-      if (ticket.First()) {
+    if (ticket.First()) {
 #pragma unroll
-        for (int pass = 0; pass < kTmaPasses; ++pass) {
+      for (int pass = 0; pass < kTmaPasses; ++pass) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
+        if constexpr (!kGateUp) {
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int token = 8 * pass + 2 * q + i;
@@ -658,13 +660,6 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
           if (row + 8 < p.hidden) out[row + 8] = acc[pass][2 + i];
         }
       }
-    }
-    // The next group's sums start from zero: cleared here, once a group, rather than selected at
-    // every stage by whether it is a group's first (16 selects a stage).
-#pragma unroll
-    for (int pass = 0; pass < kTmaPasses; ++pass) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[pass][i] = 0.0f;
     }
   }
 #else
