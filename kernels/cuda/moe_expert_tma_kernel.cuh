@@ -63,7 +63,7 @@ inline constexpr int kTmaConsumerWarps = 8;
 inline constexpr int kTmaThreads = (kTmaConsumerWarps + 1) * 32;  // + the producer warp
 inline constexpr int kTmaRows = 16 * kTmaConsumerWarps;           // weight rows per stage
 // Reduction columns per record: one 128-byte swizzled row of bf16 tokens. A stage is one record
-// of bf16 weights or several of INT4 ones.
+// of bf16 weights, or several quantized ones (four INT4, two FP8).
 inline constexpr int kTmaCols = 64;
 inline constexpr int kTmaTokens = 32;  // token rows per group: four mma passes of 8
 inline constexpr int kTmaPasses = kTmaTokens / 8;
@@ -141,7 +141,8 @@ __device__ __forceinline__ To BitCast(From from) {
 
 // bf16 128 + n for the nibbles n at bits 0-3 and 16-19, exactly (the bf16 spacing at 128 is 1).
 inline constexpr uint32_t kInt4Magic = 0x43004300u;
-inline constexpr uint32_t kInt4Offset = 0x43084308u;  // bf16 136 twice: 128 + the stored + 8
+// bf16 136 twice: the magic's 128 and the format's offset of 8, subtracted exactly.
+inline constexpr uint32_t kInt4Offset = 0x43084308u;
 
 // (a & b) | c in one instruction: with b and c in registers (constants are materialised once), not
 // immediates, of which a LOP3 takes one (C's `&` then `|` compiled to two).
@@ -300,7 +301,7 @@ struct StageTicket {
   __device__ bool Last() const { return (bits & kLast) != 0; }
   __device__ int32_t Records() const { return (bits >> 12 & 0xf) + 1; }
   __device__ int32_t Part() const { return bits >> 16; }
-  static constexpr int32_t kFirst = 0x100;  // the first stage of an item's group
+  static constexpr int32_t kFirst = 0x100;  // the first stage of an item's group: sums from zero
   static constexpr int32_t kLast = 0x200;   // its last: the sums are stored
   static __device__ int32_t RecordBits(int32_t records) { return (records - 1) << 12; }
 };

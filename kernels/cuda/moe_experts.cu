@@ -91,9 +91,9 @@ __global__ void CombineKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int
 }
 
 // Slots per block of the weight-streaming kernel and blocks per multiprocessor: two blocks where
-// each then has at least 3 slots (sm_90 and sm_100: bf16 5 slots of 20 KB, INT4 3 of 34 KB), else
-// one (bf16 on sm_120's 100 KB of shared memory: 4 slots). Two blocks let one block's stores
-// overlap the other's stream.
+// each then has at least 3 slots (sm_90 and sm_100: bf16 5 slots of 20 KB, INT4 3 of 34 KB, FP8 4
+// of 25 KB), else one (bf16 on sm_120's 100 KB of shared memory: 4 slots). Two blocks let one
+// block's stores overlap the other's stream.
 struct TmaPlan {
   int stages = 0;
   int blocks_per_multiprocessor = 0;

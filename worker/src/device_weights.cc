@@ -119,22 +119,16 @@ void AppendBytes(const std::vector<T>& values, std::vector<uint8_t>& bytes) {
   bytes.insert(bytes.end(), begin, begin + values.size() * sizeof(T));
 }
 
+// A stored matrix's values: INT4 words, FP8 bytes.
+const std::vector<uint32_t>& StoredValues(const Int4Matrix& m) { return m.words; }
+const std::vector<uint8_t>& StoredValues(const Fp8Matrix& m) { return m.bytes; }
+
 // A loaded kind of quantized matrix, every held expert's, to the device as stored.
-absl::StatusOr<DeviceQuantizedMatrices> ToDevice(const std::vector<Int4Matrix>& matrices) {
+template <typename Matrix>
+absl::StatusOr<DeviceQuantizedMatrices> ToDevice(const std::vector<Matrix>& matrices) {
   std::vector<uint8_t> values, scales;
-  for (const Int4Matrix& m : matrices) {
-    AppendBytes(m.words, values);
-    AppendBytes(m.scales, scales);
-  }
-  DeviceQuantizedMatrices device;
-  TV_ASSIGN_OR_RETURN(device.values, Copy(values));
-  TV_ASSIGN_OR_RETURN(device.scales, Copy(scales));
-  return device;
-}
-absl::StatusOr<DeviceQuantizedMatrices> ToDevice(const std::vector<Fp8Matrix>& matrices) {
-  std::vector<uint8_t> values, scales;
-  for (const Fp8Matrix& m : matrices) {
-    AppendBytes(m.bytes, values);
+  for (const Matrix& m : matrices) {
+    AppendBytes(StoredValues(m), values);
     AppendBytes(m.scales, scales);
   }
   DeviceQuantizedMatrices device;
