@@ -1,6 +1,7 @@
 #include "treeverify/worker/quantized_weights.h"
 
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +11,12 @@ namespace treeverify::worker {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A linear layer's weight, `<p>.weight`: the tensors the formats quantize.
+constexpr char kWeight[] = ".weight";
+bool IsLinearWeight(std::string_view name) {
+  return name.size() > std::string_view(kWeight).size() && name.ends_with(kWeight);
+}
 
 // The bf16 nearest a dequantized product: the weight as the formats' own dequantization
 // materialises it (DeepSeek-V3's weight_dequant writes bf16; compressed-tensors unpacks to the
@@ -85,41 +92,10 @@ absl::StatusOr<std::vector<float>> WeightReader::Slice(const std::string& name,
                                                        const std::vector<int64_t>& shape,
                                                        int64_t r0, int64_t r1, int64_t c0,
                                                        int64_t c1, bool rows, bool columns) const {
-  const std::string suffix = ".weight";
-  const bool linear = name.size() > suffix.size() &&
-                      name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  if (checkpoint_.Has(name)) {
-    TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint_.Info(name));
-    if (info.dtype == DType::kF8E4M3 && linear && shape.size() == 2) {
-      if (quantization_.method != WeightQuantization::Method::kFp8Block) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " is F8_E4M3, but config.json's quantization_config does not say fp8"));
-      }
-      if (r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 || c1 > shape[1]) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
-      }
-      TV_ASSIGN_OR_RETURN(const Fp8Matrix stored, Fp8(name, info, shape, r0, r1, c0, c1));
-      return Dequantized(stored);
-    }
-  } else if (linear) {
-    const std::string prefix = name.substr(0, name.size() - suffix.size());
-    if (checkpoint_.Has(prefix + ".weight_packed")) {
-      if (quantization_.method != WeightQuantization::Method::kInt4Group) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            prefix,
-            ".weight_packed is int4, but config.json's quantization_config does not say "
-            "compressed-tensors pack-quantized"));
-      }
-      if (shape.size() != 2 || r0 < 0 || r0 > r1 || r1 > shape[0] || c0 < 0 || c0 > c1 ||
-          c1 > shape[1]) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": the slice is outside ", ShapeString(shape)));
-      }
-      TV_ASSIGN_OR_RETURN(const Int4Matrix stored, Int4(prefix, shape, r0, r1, c0, c1));
-      return Dequantized(stored);
-    }
-  }
+  TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8, ReadFp8(name, shape, r0, r1, c0, c1));
+  if (fp8) return Dequantized(*fp8);
+  TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> int4, ReadInt4(name, shape, r0, r1, c0, c1));
+  if (int4) return Dequantized(*int4);
   if (rows) return checkpoint_.ReadRows(name, shape, r0, r1);
   if (columns) return checkpoint_.ReadColumns(name, shape, c0, c1);
   return checkpoint_.Read(name, shape);
@@ -240,12 +216,8 @@ absl::StatusOr<std::optional<Int4Matrix>> WeightReader::ReadInt4(const std::stri
                                                                  const std::vector<int64_t>& shape,
                                                                  int64_t r0, int64_t r1, int64_t c0,
                                                                  int64_t c1) const {
-  const std::string suffix = ".weight";
-  if (name.size() <= suffix.size() ||
-      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return std::nullopt;
-  }
-  const std::string prefix = name.substr(0, name.size() - suffix.size());
+  if (!IsLinearWeight(name)) return std::nullopt;
+  const std::string prefix = name.substr(0, name.size() - std::string_view(kWeight).size());
   if (checkpoint_.Has(name) || !checkpoint_.Has(prefix + ".weight_packed")) return std::nullopt;
   if (quantization_.method != WeightQuantization::Method::kInt4Group) {
     return absl::InvalidArgumentError(
@@ -266,7 +238,7 @@ absl::StatusOr<std::optional<Fp8Matrix>> WeightReader::ReadFp8(const std::string
                                                                const std::vector<int64_t>& shape,
                                                                int64_t r0, int64_t r1, int64_t c0,
                                                                int64_t c1) const {
-  if (!checkpoint_.Has(name)) return std::nullopt;
+  if (!IsLinearWeight(name) || !checkpoint_.Has(name)) return std::nullopt;
   TV_ASSIGN_OR_RETURN(TensorInfo info, checkpoint_.Info(name));
   if (info.dtype != DType::kF8E4M3 || shape.size() != 2) return std::nullopt;
   if (quantization_.method != WeightQuantization::Method::kFp8Block) {
