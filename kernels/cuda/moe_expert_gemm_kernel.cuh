@@ -6,6 +6,11 @@
 // (three cp.async stages, rows padded by 16 bytes so that ldmatrix is free of bank conflicts). Its
 // four warps split the tile 2 x 2: 32 pairs x 64 weight rows each, mma.sync m16n8k16.
 //
+// Quantized experts (moe_records.h: INT4 or FP8 records, one record a stage's 128 weight rows x 64
+// columns) are copied as stored beside the stage and dequantized there by the block into the
+// stage's bf16 rows (moe_dequantize.cuh: the values the weight stream computes), once per 64
+// pairs; then the same mma loop runs.
+//
 // The tiles come from the grouping kernel (Workspace.tile_expert / tile_pair, device memory), and
 // the grid is sized by their upper bound, so any routing runs (and replays from a CUDA graph) with
 // the same launch; blocks past the step's tiles return at once. The reduction order within a tile
@@ -18,8 +23,11 @@
 
 #include "element_convert.cuh"
 #include "mma_sync_primitives.cuh"
+#include "moe_dequantize.cuh"
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
+#include "treeverify/kernels/cuda/moe_fp8_tiles.h"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
 #include "treeverify/kernels/cuda/moe_tiles.h"
 #include "treeverify/kernels/moe.h"
 
@@ -31,7 +39,26 @@ inline constexpr int kGemmStages = 3;
 inline constexpr int kGemmWeightRows = 128;            // per block: gate 64 + up 64, or down 128
 inline constexpr int kGemmRowBytes = kGemmK * 2 + 16;  // one staged row, padded
 inline constexpr int kGemmStageBytes = (kGemmPairs + kGemmWeightRows) * kGemmRowBytes;
-inline constexpr int kGemmSmemBytes = kGemmStages * kGemmStageBytes;
+
+// How the block reads the experts' weights: bf16 (tiles or pointer arrays), or one quantized
+// format's records.
+enum class GemmWeights { kBf16, kInt4, kFp8 };
+
+// A record's bytes (0 for bf16), staged beside each stage's rows.
+template <GemmWeights kWeights>
+inline constexpr int kGemmRecordBytes = kWeights == GemmWeights::kInt4
+                                            ? static_cast<int>(MoeInt4Records::kRecordBytes)
+                                        : kWeights == GemmWeights::kFp8
+                                            ? static_cast<int>(MoeFp8Records::kRecordBytes)
+                                            : 0;
+template <GemmWeights kWeights>
+inline constexpr int kGemmSlotBytes = kGemmStageBytes + kGemmRecordBytes<kWeights>;
+template <GemmWeights kWeights>
+inline constexpr int kGemmSmemBytes = kGemmStages* kGemmSlotBytes<kWeights>;
+static_assert(kGemmStageBytes % 16 == 0 && MoeInt4Records::kRecordBytes % 16 == 0 &&
+              MoeFp8Records::kRecordBytes % 16 == 0);
+// A record is one stage's weight rows: 64 of gate over the same 64 of up, or 128 of down, by 64.
+static_assert(MoeRecordLayout::kColumns == kGemmK && MoeRecordLayout::kRows == kGemmWeightRows);
 
 // A stage's weight rows are one tile of each matrix where the experts come as tiles.
 static_assert(kGemmK == MoeTileLayout::kColumns &&
@@ -45,8 +72,8 @@ inline bool GemmFits(int64_t hidden, int64_t intermediate) {
 }
 
 // Queues stage `chunk` of the tile: its pairs' inputs (rows past the tile's pairs zero-filled)
-// and its weight rows.
-template <bool kGateUp>
+// and its weight rows (quantized: the record, after the stage's rows).
+template <bool kGateUp, GemmWeights kWeights>
 __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf16>& p,
                                               const Workspace& w, int32_t expert, int32_t first,
                                               int pairs, int64_t weight_row0, int64_t chunk,
@@ -62,6 +89,22 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
     mma::CpAsync16(stage + r * kGemmRowBytes + c * 16, row + column + c * 8, valid);
   }
   uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
+  if constexpr (kWeights != GemmWeights::kBf16) {
+    const bool int4 = kWeights == GemmWeights::kInt4;
+    const MoeRecordLayout layout = kGateUp ? (int4 ? Int4GateUpLayout(p.intermediate, p.hidden)
+                                                   : Fp8GateUpLayout(p.intermediate, p.hidden))
+                                           : (int4 ? Int4DownLayout(p.hidden, p.intermediate)
+                                                   : Fp8DownLayout(p.hidden, p.intermediate));
+    const uint8_t* records =
+        kGateUp ? (int4 ? p.int4_gate_up : p.fp8_gate_up) : (int4 ? p.int4_down : p.fp8_down);
+    const uint8_t* record =
+        records + layout.RecordOffset(expert, weight_row0 / layout.TileRows(), chunk);
+    uint8_t* staged = stage + kGemmStageBytes;
+    for (int i = threadIdx.x; i < kGemmRecordBytes<kWeights> / 16; i += kGemmThreads) {
+      mma::CpAsync16(staged + 16 * i, record + 16 * i, true);
+    }
+    return;
+  }
   // With tiles (MoeExperts checks all three or none), the stage's rows are one tile of each
   // matrix (moe_tiles.h): 64 of gate and of up, or 128 of down, at the stage's chunk.
   const bool tiled = p.packed_gate != nullptr;
@@ -87,13 +130,55 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
   }
 }
 
+// The stage's record, landed after its rows, into those rows as bf16: a thread per fragment word
+// of the record (moe_records.h: warp w, lane (g, q), k-step k), four pairs each, each pair a row's
+// two adjacent columns (one 4-byte store). Gate/up rows: gate's 0-63, up's 64-127.
+template <bool kGateUp, GemmWeights kWeights>
+__device__ __forceinline__ void DequantizeGemmStage(uint8_t* stage) {
+  const uint8_t* record = stage + kGemmStageBytes;
+  uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
+  constexpr int kWords = 8 * 32 * 4;  // record warps x lanes x k-steps
+  for (int index = threadIdx.x; index < kWords; index += kGemmThreads) {
+    const int rw = index / 128, lane = index / 4 % 32, k = index % 4;
+    const int g = lane / 4, q = lane % 4;
+    uint32_t pairs[4];
+    if constexpr (kWeights == GemmWeights::kInt4) {
+      const uint32_t word = *reinterpret_cast<const uint32_t*>(record + 4 * index);
+      const uint32_t scales = *reinterpret_cast<const uint32_t*>(
+          record + MoeInt4Records::kWordBytes + ((rw * 8 + g) * 2 + k / 2) * 4);
+      const uint32_t row_g = __byte_perm(scales, 0, 0x1010);
+      const uint32_t row_g8 = __byte_perm(scales, 0, 0x3232);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        pairs[p] = DequantizeInt4Pair(word >> (4 * p), p % 2 == 0 ? row_g : row_g8);
+      }
+    } else {
+      const uint2 bytes = *reinterpret_cast<const uint2*>(
+          record + ((rw * 2 + k / 2) * 32 + lane) * 16 + (k % 2) * 8);
+      const float* scales = reinterpret_cast<const float*>(record + MoeFp8Records::kWeightBytes);
+      const float row_g = scales[0], row_g8 = kGateUp ? scales[1] : scales[0];
+      pairs[0] = DequantizeFp8Pair(bytes.x, row_g);
+      pairs[1] = DequantizeFp8Pair(bytes.x >> 16, row_g8);
+      pairs[2] = DequantizeFp8Pair(bytes.y, row_g);
+      pairs[3] = DequantizeFp8Pair(bytes.y >> 16, row_g8);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int i = g + 8 * (p % 2);  // fragment row
+      const int row = kGateUp ? (i / 8) * (kGemmWeightRows / 2) + 8 * rw + i % 8 : 16 * rw + i;
+      const int column = static_cast<int>(MoeRecordLayout::FragmentColumn(k, q, p, 0));
+      *reinterpret_cast<uint32_t*>(weights + row * kGemmRowBytes + column * 2) = pairs[p];
+    }
+  }
+}
+
 // Block = (tile, column block): blockIdx.x = turn * max_tiles + tile, column block = (turn +
 // the tile's expert) mod the column blocks. The tiles of one expert (adjacent in the list) read
 // the same weight rows at about the same time, through L2, and the experts side by side read
 // different row tiles: with the weights as tiles, each expert's row tile is one run of memory,
 // and runs at the same offset of every expert at once were a third of what reading the tiles
 // cost this kernel (27 %; bench/NOTES.md, steps 118 and 123).
-template <bool kGateUp>
+template <bool kGateUp, GemmWeights kWeights>
 __global__ void __launch_bounds__(kGemmThreads)
     ExpertGemmKernel(MoeExpertsParamsOf<Bf16, Bf16> p, Workspace w, int32_t max_tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -125,8 +210,8 @@ __global__ void __launch_bounds__(kGemmThreads)
 #pragma unroll
   for (int s = 0; s < kGemmStages - 1; ++s) {
     if (s < stages) {
-      LoadGemmStage<kGateUp>(p, w, expert, first, pairs, weight_row0, s,
-                             smem + s * kGemmStageBytes);
+      LoadGemmStage<kGateUp, kWeights>(p, w, expert, first, pairs, weight_row0, s,
+                                       smem + s * kGemmSlotBytes<kWeights>);
     }
     mma::CpAsyncCommit();
   }
@@ -135,11 +220,16 @@ __global__ void __launch_bounds__(kGemmThreads)
     __syncthreads();  // stage `chunk` has landed; every warp is done with the one reloaded next
     const int64_t next = chunk + kGemmStages - 1;
     if (next < stages) {
-      LoadGemmStage<kGateUp>(p, w, expert, first, pairs, weight_row0, next,
-                             smem + (next % kGemmStages) * kGemmStageBytes);
+      LoadGemmStage<kGateUp, kWeights>(p, w, expert, first, pairs, weight_row0, next,
+                                       smem + (next % kGemmStages) * kGemmSlotBytes<kWeights>);
     }
     mma::CpAsyncCommit();
-    const uint8_t* a_stage = smem + (chunk % kGemmStages) * kGemmStageBytes;
+    uint8_t* slot = smem + (chunk % kGemmStages) * kGemmSlotBytes<kWeights>;
+    if constexpr (kWeights != GemmWeights::kBf16) {
+      DequantizeGemmStage<kGateUp, kWeights>(slot);
+      __syncthreads();  // the stage's bf16 rows, for every warp's ldmatrix
+    }
+    const uint8_t* a_stage = slot;
     const uint8_t* b_stage = a_stage + kGemmPairs * kGemmRowBytes;
 #pragma unroll
     for (int k = 0; k < kGemmK / 16; k += 2) {

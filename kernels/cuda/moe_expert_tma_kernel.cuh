@@ -41,14 +41,13 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
 #include "element_convert.cuh"
 #include "grid_dependency.cuh"
 #include "mma_sync_primitives.cuh"
+#include "moe_dequantize.cuh"
 #include "moe_workspace.cuh"
 #include "silu_times_up.cuh"
 #include "sm90_primitives.cuh"
@@ -130,38 +129,6 @@ struct Bf16Stage {
   MoeTileLayout layout_;
 };
 
-// The bits of `from` as a `To` of the same size (register moves; no conversion).
-template <typename To, typename From>
-__device__ __forceinline__ To BitCast(From from) {
-  static_assert(sizeof(To) == sizeof(From));
-  To to;
-  memcpy(&to, &from, sizeof(To));
-  return to;
-}
-
-// bf16 128 + n for the nibbles n at bits 0-3 and 16-19, exactly (the bf16 spacing at 128 is 1).
-inline constexpr uint32_t kInt4Magic = 0x43004300u;
-// bf16 136 twice: the magic's 128 and the format's offset of 8, subtracted exactly.
-inline constexpr uint32_t kInt4Offset = 0x43084308u;
-
-// (a & b) | c in one instruction: with b and c in registers (constants are materialised once), not
-// immediates, of which a LOP3 takes one (C's `&` then `|` compiled to two).
-__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// bf16((n - 8) x scale) for the pair of nibbles at bits 0-3 and 16-19 of `shifted`: the
-// subtraction is exact and the multiply rounds once, as a loader rounding the fp32 weight would.
-__device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_t scale_pair) {
-  const uint32_t biased = AndOr(shifted, 0x000f000fu, kInt4Magic);
-  const __nv_bfloat162 value =
-      __hmul2(__hsub2(BitCast<__nv_bfloat162>(biased), BitCast<__nv_bfloat162>(kInt4Offset)),
-              BitCast<__nv_bfloat162>(scale_pair));
-  return BitCast<uint32_t>(value);
-}
-
 // INT4 experts (moe_int4_tiles.h): four 4.5 KB records a stage, 18 KB, about the bf16 stage's
 // bytes. A stage's fixed costs (its barriers, ticket and token copies, the walk) then weigh on as
 // many bytes as a bf16 stage's; with one record a stage they were paid per 4.5 KB, and the stream
@@ -220,16 +187,6 @@ struct Int4Stage {
   const uint8_t* base_;
   MoeRecordLayout layout_;
 };
-
-// bf16(fp32(e4m3) x scale) for the pair of e4m3 bytes in the low 16 bits of `bytes` (low byte the
-// low half): the loader's fp32 product, rounded to bf16 as its upload rounds it.
-__device__ __forceinline__ uint32_t DequantizeFp8Pair(uint32_t bytes, float scale) {
-  const __half2_raw halves =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes & 0xffffu), __NV_E4M3);
-  const float2 values = __half22float2(BitCast<__half2>(halves));
-  return BitCast<uint32_t>(
-      __floats2bfloat162_rn(__fmul_rn(values.x, scale), __fmul_rn(values.y, scale)));
-}
 
 // FP8 experts (moe_fp8_tiles.h): two 8 KB records a stage, 16 KB, the bf16 stage's bytes.
 template <bool kIsGateUp>

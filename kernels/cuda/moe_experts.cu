@@ -173,6 +173,31 @@ absl::StatusOr<int32_t> LaunchExpertTmaKernels(const MoeExpertsParamsOf<Bf16, Bf
   return down_parts;
 }
 
+// Gate/up then down as the grouped GEMM over the grouping's tiles of 64 pairs, the weights read
+// as `kWeights` says.
+template <moe::GemmWeights kWeights>
+absl::Status LaunchExpertGemmKernels(const MoeExpertsParamsOf<Bf16, Bf16>& p, const Workspace& w,
+                                     int64_t max_tiles, cudaStream_t stream) {
+  constexpr int kSmem = moe::kGemmSmemBytes<kWeights>;
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertGemmKernel<true, kWeights>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ExpertGemmKernel<false, kWeights>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int64_t up_blocks = max_tiles * (p.intermediate / (moe::kGemmWeightRows / 2));
+  const int64_t down_blocks = max_tiles * (p.hidden / moe::kGemmWeightRows);
+  if (up_blocks > 0x7fffffff || down_blocks > 0x7fffffff) {
+    return absl::InvalidArgumentError("cuda::MoeExperts: too many tiles for one grid");
+  }
+  ExpertGemmKernel<true, kWeights>
+      <<<static_cast<unsigned>(up_blocks), moe::kGemmThreads, kSmem, stream>>>(
+          p, w, static_cast<int32_t>(max_tiles));
+  TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  ExpertGemmKernel<false, kWeights>
+      <<<static_cast<unsigned>(down_blocks), moe::kGemmThreads, kSmem, stream>>>(
+          p, w, static_cast<int32_t>(max_tiles));
+  return CudaStatus(cudaGetLastError(), "MoeExperts grouped GEMM launch");
+}
+
 }  // namespace
 
 // Enough for any step of up to `tokens`: the partial sums of parted reductions exist only for
@@ -304,9 +329,20 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
   const int64_t most_active = std::min<int64_t>(p.num_local_experts, p.tokens * p.top_k);
   int32_t down_parts = 1;  // the weight stream's may split down's reduction
   // Many tokens per expert (prefill): the grouped GEMM, which reads each expert's weights once
-  // per 64 of its tokens rather than per 32. (Quantized experts stream at every size: the
-  // grouped GEMM reads bf16.)
-  if (int4 == 2) {
+  // per 64 of its tokens rather than per 32 (quantized records dequantized per stage).
+  const bool gemm = p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
+                    reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  if (gemm) {
+    using moe::GemmWeights;
+    const int64_t max_tiles = moe::MaxGemmTiles(entries, p.num_local_experts);
+    if (int4 == 2) {
+      TV_RETURN_IF_ERROR(LaunchExpertGemmKernels<GemmWeights::kInt4>(p, w, max_tiles, stream));
+    } else if (fp8 == 2) {
+      TV_RETURN_IF_ERROR(LaunchExpertGemmKernels<GemmWeights::kFp8>(p, w, max_tiles, stream));
+    } else {
+      TV_RETURN_IF_ERROR(LaunchExpertGemmKernels<GemmWeights::kBf16>(p, w, max_tiles, stream));
+    }
+  } else if (int4 == 2) {
     TV_ASSIGN_OR_RETURN(down_parts,
                         (LaunchExpertTmaKernels<moe::Int4Stage<true>, moe::Int4Stage<false>>(
                             p, w, device, multiprocessors, most_active, stream)));
@@ -314,26 +350,6 @@ absl::Status MoeExperts(const MoeExpertsParamsOf<Bf16, Bf16>& p, void* workspace
     TV_ASSIGN_OR_RETURN(down_parts,
                         (LaunchExpertTmaKernels<moe::Fp8Stage<true>, moe::Fp8Stage<false>>(
                             p, w, device, multiprocessors, most_active, stream)));
-  } else if (p.tokens >= kGemmMinTokens && moe::GemmFits(p.hidden, p.intermediate) &&
-             reinterpret_cast<uintptr_t>(p.x) % 16 == 0) {
-    const int64_t max_tiles = moe::MaxGemmTiles(entries, p.num_local_experts);
-    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        ExpertGemmKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::kGemmSmemBytes));
-    TV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        ExpertGemmKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, moe::kGemmSmemBytes));
-    const int64_t up_blocks = max_tiles * (p.intermediate / (moe::kGemmWeightRows / 2));
-    const int64_t down_blocks = max_tiles * (p.hidden / moe::kGemmWeightRows);
-    if (up_blocks > 0x7fffffff || down_blocks > 0x7fffffff) {
-      return absl::InvalidArgumentError("cuda::MoeExperts: too many tiles for one grid");
-    }
-    ExpertGemmKernel<true>
-        <<<static_cast<unsigned>(up_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
-            p, w, static_cast<int32_t>(max_tiles));
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    ExpertGemmKernel<false>
-        <<<static_cast<unsigned>(down_blocks), moe::kGemmThreads, moe::kGemmSmemBytes, stream>>>(
-            p, w, static_cast<int32_t>(max_tiles));
-    TV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (tma_path) {
     TV_ASSIGN_OR_RETURN(down_parts,
                         (LaunchExpertTmaKernels<moe::Bf16Stage<true>, moe::Bf16Stage<false>>(

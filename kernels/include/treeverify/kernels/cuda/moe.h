@@ -88,8 +88,9 @@ absl::StatusOr<MoeGrouping> MoeRoutingAndGrouping(const MoeRoutingParams& routin
 // GEMM; or as pointer arrays (gate_proj, up_proj and down_proj: device arrays of device pointers to
 // row-major matrices, each 16-byte aligned), read by the grouped GEMM and the CUDA-core kernels.
 // Given both, they must describe the same matrices (neither can be checked from the host). Or,
-// alone, as one quantized format's records (int4_* or fp8_*: moe_records.h), read by the weight
-// stream at every size on sm_90 and later, dequantized in registers.
+// alone, as one quantized format's records (int4_* or fp8_*: moe_records.h), on sm_90 and later,
+// read by the weight stream (dequantized in registers) and the grouped GEMM (dequantized per
+// stage in shared memory).
 // workspace holds at least MoeExpertsWorkspaceBytes(...) bytes, 256-byte aligned. If active_count
 // (device memory) is set, the number of local experts with tokens is written there (step
 // accounting). If shared_ready is set, shared_out may still be being written on another stream

@@ -1,0 +1,57 @@
+// Quantized expert weights to bf16 in registers, a pair of weights (one bf16x2 A or B register of
+// mma.sync) at a time, each the bf16 a loader makes of the fp32 product (moe_int4_tiles.h,
+// moe_fp8_tiles.h): the weight stream (moe_expert_tma_kernel.cuh) and the grouped GEMM
+// (moe_expert_gemm_kernel.cuh) read the same records through these.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace treeverify::kernels::cuda::moe {
+
+// The bits of `from` as a `To` of the same size (register moves; no conversion).
+template <typename To, typename From>
+__device__ __forceinline__ To BitCast(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// bf16 128 + n for the nibbles n at bits 0-3 and 16-19, exactly (the bf16 spacing at 128 is 1).
+inline constexpr uint32_t kInt4Magic = 0x43004300u;
+// bf16 136 twice: the magic's 128 and the format's offset of 8, subtracted exactly.
+inline constexpr uint32_t kInt4Offset = 0x43084308u;
+
+// (a & b) | c in one instruction: with b and c in registers (constants are materialised once), not
+// immediates, of which a LOP3 takes one (C's `&` then `|` compiled to two).
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// bf16((n - 8) x scale) for the pair of nibbles at bits 0-3 and 16-19 of `shifted`: the
+// subtraction is exact and the multiply rounds once, as a loader rounding the fp32 weight would.
+__device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_t scale_pair) {
+  const uint32_t biased = AndOr(shifted, 0x000f000fu, kInt4Magic);
+  const __nv_bfloat162 value =
+      __hmul2(__hsub2(BitCast<__nv_bfloat162>(biased), BitCast<__nv_bfloat162>(kInt4Offset)),
+              BitCast<__nv_bfloat162>(scale_pair));
+  return BitCast<uint32_t>(value);
+}
+
+// bf16(fp32(e4m3) x scale) for the pair of e4m3 bytes in the low 16 bits of `bytes` (low byte the
+// low half): the loader's fp32 product, rounded to bf16 as its upload rounds it.
+__device__ __forceinline__ uint32_t DequantizeFp8Pair(uint32_t bytes, float scale) {
+  const __half2_raw halves =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes & 0xffffu), __NV_E4M3);
+  const float2 values = __half22float2(BitCast<__half2>(halves));
+  return BitCast<uint32_t>(
+      __floats2bfloat162_rn(__fmul_rn(values.x, scale), __fmul_rn(values.y, scale)));
+}
+
+}  // namespace treeverify::kernels::cuda::moe
