@@ -54,4 +54,27 @@ __device__ __forceinline__ uint32_t DequantizeFp8Pair(uint32_t bytes, float scal
       __floats2bfloat162_rn(__fmul_rn(values.x, scale), __fmul_rn(values.y, scale)));
 }
 
+// A fragment word of an INT4 record (moe_int4_tiles.h) as its k-step's four A registers: `scales`
+// holds the bf16 scales of the word's group for fragment rows g (low half) and g + 8 (high half),
+// and register p is row g's for even p, row g + 8's for odd.
+__device__ __forceinline__ void DequantizeInt4Word(uint32_t word, uint32_t scales,
+                                                   uint32_t (&registers)[4]) {
+  const uint32_t row_g = __byte_perm(scales, 0, 0x1010);   // row g's scale, twice
+  const uint32_t row_g8 = __byte_perm(scales, 0, 0x3232);  // row g + 8's
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    registers[p] = DequantizeInt4Pair(word >> (4 * p), p % 2 == 0 ? row_g : row_g8);
+  }
+}
+
+// A k-step's eight e4m3 bytes of an FP8 record (moe_fp8_tiles.h), `first` registers 0 and 1,
+// `second` 2 and 3, as its four A registers, rows g and g + 8 scaled by their blocks' scales.
+__device__ __forceinline__ void DequantizeFp8Word(uint32_t first, uint32_t second, float row_g,
+                                                  float row_g8, uint32_t (&registers)[4]) {
+  registers[0] = DequantizeFp8Pair(first, row_g);
+  registers[1] = DequantizeFp8Pair(first >> 16, row_g8);
+  registers[2] = DequantizeFp8Pair(second, row_g);
+  registers[3] = DequantizeFp8Pair(second >> 16, row_g8);
+}
+
 }  // namespace treeverify::kernels::cuda::moe

@@ -146,21 +146,12 @@ __device__ __forceinline__ void DequantizeGemmStage(uint8_t* stage) {
       const uint32_t word = *reinterpret_cast<const uint32_t*>(record + 4 * index);
       const uint32_t scales = *reinterpret_cast<const uint32_t*>(
           record + MoeInt4Records::kWordBytes + ((rw * 8 + g) * 2 + k / 2) * 4);
-      const uint32_t row_g = __byte_perm(scales, 0, 0x1010);
-      const uint32_t row_g8 = __byte_perm(scales, 0, 0x3232);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        pairs[p] = DequantizeInt4Pair(word >> (4 * p), p % 2 == 0 ? row_g : row_g8);
-      }
+      DequantizeInt4Word(word, scales, pairs);
     } else {
       const uint2 bytes = *reinterpret_cast<const uint2*>(
           record + ((rw * 2 + k / 2) * 32 + lane) * 16 + (k % 2) * 8);
       const float* scales = reinterpret_cast<const float*>(record + MoeFp8Records::kWeightBytes);
-      const float row_g = scales[0], row_g8 = kGateUp ? scales[1] : scales[0];
-      pairs[0] = DequantizeFp8Pair(bytes.x, row_g);
-      pairs[1] = DequantizeFp8Pair(bytes.x >> 16, row_g8);
-      pairs[2] = DequantizeFp8Pair(bytes.y, row_g);
-      pairs[3] = DequantizeFp8Pair(bytes.y >> 16, row_g8);
+      DequantizeFp8Word(bytes.x, bytes.y, scales[0], kGateUp ? scales[1] : scales[0], pairs);
     }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {

@@ -165,16 +165,11 @@ struct Int4Stage {
     // k-steps 2j and 2j + 1: group j of the record.
     __device__ void Get(int j, int /*lane*/, uint32_t (&a)[2][4]) const {
       const uint32_t scales = j == 0 ? scales_.x : scales_.y;
-      const uint32_t row_g = __byte_perm(scales, 0, 0x1010);   // row g's scale, twice
-      const uint32_t row_g8 = __byte_perm(scales, 0, 0x3232);  // row g + 8's
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t word =
             j == 0 ? (h == 0 ? words_.x : words_.y) : (h == 0 ? words_.z : words_.w);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          a[h][p] = DequantizeInt4Pair(word >> (4 * p), p % 2 == 0 ? row_g : row_g8);
-        }
+        DequantizeInt4Word(word, scales, a[h]);
       }
     }
 
@@ -226,12 +221,8 @@ struct Fp8Stage {
       const uint4& bytes = j == 0 ? low_ : high_;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t first = h == 0 ? bytes.x : bytes.z;   // registers 0 and 1
-        const uint32_t second = h == 0 ? bytes.y : bytes.w;  // registers 2 and 3
-        a[h][0] = DequantizeFp8Pair(first, row_g_);
-        a[h][1] = DequantizeFp8Pair(first >> 16, row_g8_);
-        a[h][2] = DequantizeFp8Pair(second, row_g_);
-        a[h][3] = DequantizeFp8Pair(second >> 16, row_g8_);
+        DequantizeFp8Word(h == 0 ? bytes.x : bytes.z, h == 0 ? bytes.y : bytes.w, row_g_, row_g8_,
+                          a[h]);
       }
     }
 
