@@ -1,7 +1,7 @@
-// Quantized expert weights to bf16 in registers, a pair of weights (one bf16x2 A or B register of
-// mma.sync) at a time, each the bf16 a loader makes of the fp32 product (moe_int4_tiles.h,
-// moe_fp8_tiles.h): the weight stream (moe_expert_tma_kernel.cuh) and the grouped GEMM
-// (moe_expert_gemm_kernel.cuh) read the same records through these.
+// Quantized expert weights: where their records are, and to bf16 in registers, a pair of weights
+// (one bf16x2 A or B register of mma.sync) at a time, each the bf16 a loader makes of the fp32
+// product (moe_int4_tiles.h, moe_fp8_tiles.h): the weight stream (moe_expert_tma_kernel.cuh) and
+// the grouped GEMM (moe_expert_gemm_kernel.cuh) read the same records through these.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,7 +10,32 @@
 
 #include <cstdint>
 
+#include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/cuda/moe_fp8_tiles.h"
+#include "treeverify/kernels/cuda/moe_int4_tiles.h"
+#include "treeverify/kernels/moe.h"
+
 namespace treeverify::kernels::cuda::moe {
+
+// Where one quantized format's records of gate/up (or of down) are in MoeExperts' params
+// (moe_records.h), and their layout.
+struct ExpertRecords {
+  const uint8_t* base;
+  MoeRecordLayout layout;
+  __device__ const uint8_t* Record(int64_t expert, int64_t row_tile, int64_t chunk) const {
+    return base + layout.RecordOffset(expert, row_tile, chunk);
+  }
+};
+__device__ inline ExpertRecords RecordsOf(const MoeExpertsParamsOf<Bf16, Bf16>& p, bool int4,
+                                          bool gate_up) {
+  if (gate_up) {
+    return {int4 ? p.int4_gate_up : p.fp8_gate_up, int4
+                                                       ? Int4GateUpLayout(p.intermediate, p.hidden)
+                                                       : Fp8GateUpLayout(p.intermediate, p.hidden)};
+  }
+  return {int4 ? p.int4_down : p.fp8_down, int4 ? Int4DownLayout(p.hidden, p.intermediate)
+                                                : Fp8DownLayout(p.hidden, p.intermediate)};
+}
 
 // The bits of `from` as a `To` of the same size (register moves; no conversion).
 template <typename To, typename From>

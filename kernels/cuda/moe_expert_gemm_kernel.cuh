@@ -90,15 +90,8 @@ __device__ __forceinline__ void LoadGemmStage(const MoeExpertsParamsOf<Bf16, Bf1
   }
   uint8_t* weights = stage + kGemmPairs * kGemmRowBytes;
   if constexpr (kWeights != GemmWeights::kBf16) {
-    const bool int4 = kWeights == GemmWeights::kInt4;
-    const MoeRecordLayout layout = kGateUp ? (int4 ? Int4GateUpLayout(p.intermediate, p.hidden)
-                                                   : Fp8GateUpLayout(p.intermediate, p.hidden))
-                                           : (int4 ? Int4DownLayout(p.hidden, p.intermediate)
-                                                   : Fp8DownLayout(p.hidden, p.intermediate));
-    const uint8_t* records =
-        kGateUp ? (int4 ? p.int4_gate_up : p.fp8_gate_up) : (int4 ? p.int4_down : p.fp8_down);
-    const uint8_t* record =
-        records + layout.RecordOffset(expert, weight_row0 / layout.TileRows(), chunk);
+    const ExpertRecords records = RecordsOf(p, kWeights == GemmWeights::kInt4, kGateUp);
+    const uint8_t* record = records.Record(expert, weight_row0 / records.layout.TileRows(), chunk);
     uint8_t* staged = stage + kGemmStageBytes;
     for (int i = threadIdx.x; i < kGemmRecordBytes<kWeights> / 16; i += kGemmThreads) {
       mma::CpAsync16(staged + 16 * i, record + 16 * i, true);

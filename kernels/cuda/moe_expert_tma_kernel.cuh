@@ -129,15 +129,14 @@ struct Bf16Stage {
   MoeTileLayout layout_;
 };
 
-// INT4 experts (moe_int4_tiles.h): four 4.5 KB records a stage, 18 KB, about the bf16 stage's
-// bytes. A stage's fixed costs (its barriers, ticket and token copies, the walk) then weigh on as
-// many bytes as a bf16 stage's; with one record a stage they were paid per 4.5 KB, and the stream
-// ran at a quarter of the DRAM's rate (bench/NOTES.md, step 137).
-template <bool kIsGateUp>
-struct Int4Stage {
+// What the quantized stage formats share: kStageRecords records a stage of one format's
+// (kInt4: INT4, else FP8), read from MoeExperts' params.
+template <bool kIsGateUp, bool kInt4, int kStageRecords>
+struct RecordStage {
   static constexpr bool kGateUp = kIsGateUp;
-  static constexpr int kRecords = 4;
-  static constexpr int kRecordBytes = MoeInt4Records::kRecordBytes;
+  static constexpr int kRecords = kStageRecords;
+  static constexpr int kRecordBytes =
+      kInt4 ? MoeInt4Records::kRecordBytes : MoeFp8Records::kRecordBytes;
   static constexpr int kColumns = kRecords * kTmaCols;
   static constexpr int kWeightBytes = kRecords * kRecordBytes;
   static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
@@ -146,13 +145,23 @@ struct Int4Stage {
   static_assert(MoeRecordLayout::kRows == kTmaRows && MoeRecordLayout::kColumns == kTmaCols &&
                 kRecordBytes % 16 == 0);
 
-  __device__ explicit Int4Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
-      : base_(kGateUp ? p.int4_gate_up : p.int4_down),
-        layout_(kGateUp ? Int4GateUpLayout(p.intermediate, p.hidden)
-                        : Int4DownLayout(p.hidden, p.intermediate)) {}
+  __device__ explicit RecordStage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
+      : records_(RecordsOf(p, kInt4, kGateUp)) {}
   __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
-    return base_ + layout_.RecordOffset(expert, tile, chunk);
+    return records_.Record(expert, tile, chunk);
   }
+
+ private:
+  ExpertRecords records_;
+};
+
+// INT4 experts (moe_int4_tiles.h): four 4.5 KB records a stage, 18 KB, about the bf16 stage's
+// bytes. A stage's fixed costs (its barriers, ticket and token copies, the walk) then weigh on as
+// many bytes as a bf16 stage's; with one record a stage they were paid per 4.5 KB, and the stream
+// ran at a quarter of the DRAM's rate (bench/NOTES.md, step 137).
+template <bool kIsGateUp>
+struct Int4Stage : RecordStage<kIsGateUp, true, 4> {
+  using RecordStage<kIsGateUp, true, 4>::RecordStage;
 
   // A thread's words (k-steps 0-3) and scales (groups 0 and 1) of a record, loaded once; the
   // fragments are made from them in registers.
@@ -177,33 +186,13 @@ struct Int4Stage {
     uint4 words_;
     uint2 scales_;
   };
-
- private:
-  const uint8_t* base_;
-  MoeRecordLayout layout_;
 };
 
 // FP8 experts (moe_fp8_tiles.h): two 8 KB records a stage, 16 KB, the bf16 stage's bytes.
 template <bool kIsGateUp>
-struct Fp8Stage {
-  static constexpr bool kGateUp = kIsGateUp;
-  static constexpr int kRecords = 2;
-  static constexpr int kRecordBytes = MoeFp8Records::kRecordBytes;
-  static constexpr int kColumns = kRecords * kTmaCols;
-  static constexpr int kWeightBytes = kRecords * kRecordBytes;
-  static constexpr int kTokenOffset = (kWeightBytes + 1023) / 1024 * 1024;
-  static constexpr int kBytes = kTokenOffset + kRecords * kTmaTokenBytes;
-  static constexpr int kMaxSlots = 8;
-  static_assert(MoeRecordLayout::kRows == kTmaRows && MoeRecordLayout::kColumns == kTmaCols &&
-                kRecordBytes % 16 == 0);
-
-  __device__ explicit Fp8Stage(const MoeExpertsParamsOf<Bf16, Bf16>& p)
-      : base_(kGateUp ? p.fp8_gate_up : p.fp8_down),
-        layout_(kGateUp ? Fp8GateUpLayout(p.intermediate, p.hidden)
-                        : Fp8DownLayout(p.hidden, p.intermediate)) {}
-  __device__ const void* Source(int32_t expert, int32_t tile, int32_t chunk) const {
-    return base_ + layout_.RecordOffset(expert, tile, chunk);
-  }
+struct Fp8Stage : RecordStage<kIsGateUp, false, 2> {
+  using RecordStage<kIsGateUp, false, 2>::RecordStage;
+  using RecordStage<kIsGateUp, false, 2>::kGateUp;  // for Fragments (a dependent base's member)
 
   // A thread's bytes of a record (k-steps 0-1, then 2-3) and its rows' scales (gate/up: fragment
   // rows g of gate, g + 8 of up; down: one block), loaded once.
@@ -230,10 +219,6 @@ struct Fp8Stage {
     uint4 low_, high_;
     float row_g_ = 0.0f, row_g8_ = 0.0f;
   };
-
- private:
-  const uint8_t* base_;
-  MoeRecordLayout layout_;
 };
 
 // What a stage holds, from the producer to the consumers (16 bytes beside each slot).
