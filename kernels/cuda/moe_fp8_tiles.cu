@@ -4,9 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
+#include "moe_record_packing.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe_fp8_tiles.h"
+#include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -68,29 +69,13 @@ absl::Status PackFp8ExpertTilesOnDevice(const std::array<const uint8_t*, 2>& wei
                                         const std::array<const float*, 2>& scales, int64_t experts,
                                         const MoeRecordLayout& layout, uint8_t* tiles,
                                         cudaStream_t stream) {
-  const int matrices = layout.gate_up ? 2 : 1;
-  if (experts < 0 || layout.rows <= 0 || layout.cols <= 0 ||
-      layout.record_bytes != MoeFp8Records::kRecordBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda::PackFp8ExpertTilesOnDevice: experts=", experts, " rows=", layout.rows,
-                     " cols=", layout.cols, " record_bytes=", layout.record_bytes, " (FP8's ",
-                     MoeFp8Records::kRecordBytes, ")"));
-  }
-  for (int m = 0; m < matrices; ++m) {
-    if (weights[m] == nullptr || scales[m] == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("cuda::PackFp8ExpertTilesOnDevice: matrix ", m,
-                                                     " of ", matrices,
-                                                     " has no weights or scales"));
-    }
-  }
-  if (tiles == nullptr || reinterpret_cast<uintptr_t>(tiles) % 16 != 0) {
-    return absl::InvalidArgumentError(
-        "cuda::PackFp8ExpertTilesOnDevice: tiles must be non-null and 16-byte aligned");
-  }
+  TV_RETURN_IF_ERROR(CheckRecordPacking("cuda::PackFp8ExpertTilesOnDevice", "FP8",
+                                        MoeFp8Records::kRecordBytes, experts, layout,
+                                        {weights[0], weights[1]}, {scales[0], scales[1]}, tiles));
   const int64_t total_words = experts * layout.ExpertBytes() / 4;
   if (total_words == 0) return absl::OkStatus();
   Sources in{};
-  for (int m = 0; m < matrices; ++m) {
+  for (int m = 0; m < (layout.gate_up ? 2 : 1); ++m) {
     in.weights[m] = weights[m];
     in.scales[m] = scales[m];
   }

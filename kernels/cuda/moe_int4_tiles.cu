@@ -3,9 +3,10 @@
 // checkpoint's rows.
 #include <cstdint>
 
-#include "absl/strings/str_cat.h"
+#include "moe_record_packing.h"
 #include "treeverify/kernels/cuda/cuda_status.h"
 #include "treeverify/kernels/cuda/moe_int4_tiles.h"
+#include "treeverify/kernels/status.h"
 
 namespace treeverify::kernels::cuda {
 namespace {
@@ -82,29 +83,13 @@ absl::Status PackInt4ExpertTilesOnDevice(const std::array<const uint32_t*, 2>& w
                                          const std::array<const Bf16*, 2>& scales, int64_t experts,
                                          const MoeRecordLayout& layout, uint8_t* tiles,
                                          cudaStream_t stream) {
-  const int matrices = layout.gate_up ? 2 : 1;
-  if (experts < 0 || layout.rows <= 0 || layout.cols <= 0 ||
-      layout.record_bytes != MoeInt4Records::kRecordBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda::PackInt4ExpertTilesOnDevice: experts=", experts, " rows=", layout.rows,
-                     " cols=", layout.cols, " record_bytes=", layout.record_bytes, " (INT4's ",
-                     MoeInt4Records::kRecordBytes, ")"));
-  }
-  for (int m = 0; m < matrices; ++m) {
-    if (words[m] == nullptr || scales[m] == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("cuda::PackInt4ExpertTilesOnDevice: matrix ",
-                                                     m, " of ", matrices,
-                                                     " has no words or scales"));
-    }
-  }
-  if (tiles == nullptr || reinterpret_cast<uintptr_t>(tiles) % 16 != 0) {
-    return absl::InvalidArgumentError(
-        "cuda::PackInt4ExpertTilesOnDevice: tiles must be non-null and 16-byte aligned");
-  }
+  TV_RETURN_IF_ERROR(CheckRecordPacking("cuda::PackInt4ExpertTilesOnDevice", "INT4",
+                                        MoeInt4Records::kRecordBytes, experts, layout,
+                                        {words[0], words[1]}, {scales[0], scales[1]}, tiles));
   const int64_t total_words = experts * layout.ExpertBytes() / 4;
   if (total_words == 0) return absl::OkStatus();
   Sources in{};
-  for (int m = 0; m < matrices; ++m) {
+  for (int m = 0; m < (layout.gate_up ? 2 : 1); ++m) {
     in.words[m] = words[m];
     in.scales[m] = reinterpret_cast<const uint16_t*>(scales[m]);
   }
