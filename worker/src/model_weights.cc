@@ -84,6 +84,41 @@ absl::StatusOr<AttentionWeights> LoadAttention(const WeightReader& reader,
   return a;
 }
 
+// One held expert matrix, rows [r0, r1) x columns [c0, c1) of it: its fp32 values, and where the
+// checkpoint stores it INT4 or FP8 the slice as stored, read once and dequantized from it.
+struct ExpertMatrix {
+  std::vector<float> values;
+  std::optional<Int4Matrix> int4;
+  std::optional<Fp8Matrix> fp8;
+};
+absl::StatusOr<ExpertMatrix> LoadExpertMatrix(const WeightReader& reader, const std::string& name,
+                                              const std::vector<int64_t>& shape, int64_t r0,
+                                              int64_t r1, int64_t c0, int64_t c1) {
+  ExpertMatrix m;
+  TV_ASSIGN_OR_RETURN(m.int4, reader.ReadInt4(name, shape, r0, r1, c0, c1));
+  TV_ASSIGN_OR_RETURN(m.fp8, reader.ReadFp8(name, shape, r0, r1, c0, c1));
+  if (m.int4) {
+    m.values = Dequantized(*m.int4);
+  } else if (m.fp8) {
+    m.values = Dequantized(*m.fp8);
+  } else if (c0 == 0 && c1 == shape[1]) {
+    TV_ASSIGN_OR_RETURN(m.values, reader.ReadRows(name, shape, r0, r1));
+  } else {
+    TV_ASSIGN_OR_RETURN(m.values, reader.ReadColumns(name, shape, c0, c1));
+  }
+  return m;
+}
+
+// An expert's stored gate, up and down, kept where all three are stored so.
+template <typename Matrix>
+void KeepStored(std::optional<Matrix>& gate, std::optional<Matrix>& up, std::optional<Matrix>& down,
+                std::vector<Matrix>& gates, std::vector<Matrix>& ups, std::vector<Matrix>& downs) {
+  if (!gate || !up || !down) return;
+  gates.push_back(*std::move(gate));
+  ups.push_back(*std::move(up));
+  downs.push_back(*std::move(down));
+}
+
 absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string& prefix,
                                    const ModelConfig& c, const ShardingPlan& plan) {
   MoeWeights m;
@@ -98,40 +133,20 @@ absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string
   for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
     const std::string expert = absl::StrCat(prefix, "experts.", e, ".");
     const ShardRange columns = plan.expert_intermediate;
-    TV_ASSIGN_OR_RETURN(m.gate_proj.emplace_back(),
-                        Rows(reader, expert + "gate_proj.weight", {inter, hidden}, columns));
-    TV_ASSIGN_OR_RETURN(m.up_proj.emplace_back(),
-                        Rows(reader, expert + "up_proj.weight", {inter, hidden}, columns));
-    TV_ASSIGN_OR_RETURN(m.down_proj.emplace_back(),
-                        Columns(reader, expert + "down_proj.weight", {hidden, inter}, columns));
-    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> gate,
-                        reader.ReadInt4(expert + "gate_proj.weight", {inter, hidden}, columns.begin,
-                                        columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> up,
-                        reader.ReadInt4(expert + "up_proj.weight", {inter, hidden}, columns.begin,
-                                        columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(std::optional<Int4Matrix> down,
-                        reader.ReadInt4(expert + "down_proj.weight", {hidden, inter}, 0, hidden,
-                                        columns.begin, columns.end));
-    if (gate && up && down) {
-      m.int4_gate.push_back(*std::move(gate));
-      m.int4_up.push_back(*std::move(up));
-      m.int4_down.push_back(*std::move(down));
-    }
-    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_gate,
-                        reader.ReadFp8(expert + "gate_proj.weight", {inter, hidden}, columns.begin,
-                                       columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_up,
-                        reader.ReadFp8(expert + "up_proj.weight", {inter, hidden}, columns.begin,
-                                       columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(std::optional<Fp8Matrix> fp8_down,
-                        reader.ReadFp8(expert + "down_proj.weight", {hidden, inter}, 0, hidden,
-                                       columns.begin, columns.end));
-    if (fp8_gate && fp8_up && fp8_down) {
-      m.fp8_gate.push_back(*std::move(fp8_gate));
-      m.fp8_up.push_back(*std::move(fp8_up));
-      m.fp8_down.push_back(*std::move(fp8_down));
-    }
+    TV_ASSIGN_OR_RETURN(ExpertMatrix gate,
+                        LoadExpertMatrix(reader, expert + "gate_proj.weight", {inter, hidden},
+                                         columns.begin, columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(ExpertMatrix up,
+                        LoadExpertMatrix(reader, expert + "up_proj.weight", {inter, hidden},
+                                         columns.begin, columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(ExpertMatrix down,
+                        LoadExpertMatrix(reader, expert + "down_proj.weight", {hidden, inter}, 0,
+                                         hidden, columns.begin, columns.end));
+    m.gate_proj.push_back(std::move(gate.values));
+    m.up_proj.push_back(std::move(up.values));
+    m.down_proj.push_back(std::move(down.values));
+    KeepStored(gate.int4, up.int4, down.int4, m.int4_gate, m.int4_up, m.int4_down);
+    KeepStored(gate.fp8, up.fp8, down.fp8, m.fp8_gate, m.fp8_up, m.fp8_down);
   }
   // Quantized for the GPU only where every held expert is.
   if (m.int4_gate.size() != m.gate_proj.size()) {

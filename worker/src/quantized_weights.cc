@@ -23,6 +23,19 @@ bool IsLinearWeight(std::string_view name) {
 // model's bf16), and as the GPU's streams compute it.
 float ToBf16(float product) { return Bf16ToFloat(FloatToBf16(product)); }
 
+// A slice boundary must fall on a block edge, or at the tensor's end.
+absl::Status CheckAligned(const std::string& name, const char* what, int64_t begin, int64_t end,
+                          int64_t size, int64_t block, const char* unit) {
+  const bool aligned = begin % block == 0 && (end % block == 0 || end == size);
+  if (aligned) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      name, ": the tensor-parallel split takes ", what, " [", begin, ", ", end, ") of ", size,
+      ", which cuts a quantization ", unit, " of ", block,
+      ": choose a world size (or expert sharding) whose slices are multiples of ", block));
+}
+
+}  // namespace
+
 // w = bf16(fp8 x its block's scale), the product in fp32.
 std::vector<float> Dequantized(const Fp8Matrix& m) {
   const int64_t scale_cols = CeilDiv(m.cols, m.block_cols);
@@ -53,19 +66,6 @@ std::vector<float> Dequantized(const Int4Matrix& m) {
   }
   return values;
 }
-
-// A slice boundary must fall on a block edge, or at the tensor's end.
-absl::Status CheckAligned(const std::string& name, const char* what, int64_t begin, int64_t end,
-                          int64_t size, int64_t block, const char* unit) {
-  const bool aligned = begin % block == 0 && (end % block == 0 || end == size);
-  if (aligned) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      name, ": the tensor-parallel split takes ", what, " [", begin, ", ", end, ") of ", size,
-      ", which cuts a quantization ", unit, " of ", block,
-      ": choose a world size (or expert sharding) whose slices are multiples of ", block));
-}
-
-}  // namespace
 
 absl::StatusOr<std::vector<float>> WeightReader::Read(const std::string& name,
                                                       const std::vector<int64_t>& shape) const {

@@ -53,6 +53,10 @@ struct Fp8Matrix {
   std::vector<float> scales;   // [ceil(rows / block_rows), ceil(cols / block_cols)]
 };
 
+// The weights a stored slice stands for (rounded to bf16, as above): what Read gives for it.
+std::vector<float> Dequantized(const Int4Matrix& m);
+std::vector<float> Dequantized(const Fp8Matrix& m);
+
 class WeightReader {
  public:
   // `checkpoint` must outlive the reader.
