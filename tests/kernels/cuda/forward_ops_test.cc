@@ -75,6 +75,21 @@ void ExpectClose(const std::vector<float>& actual, const std::vector<float>& exp
 // room for fp32 summation-order differences before the rounding.
 constexpr float kBf16Relative = 1.0f / 256;
 
+// Each token's top_k distinct experts of `experts`, ascending, with weights in [0.1, 1).
+void RandomRouting(std::mt19937& rng, int64_t tokens, int32_t experts, int32_t top_k,
+                   std::vector<int32_t>& ids, std::vector<float>& weights) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int32_t> all(experts);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + top_k);
+    ids.insert(ids.end(), all.begin(), all.begin() + top_k);
+    for (int32_t j = 0; j < top_k; ++j) {
+      weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+    }
+  }
+}
+
 class CudaForwardOpsTest : public CudaTest {};
 
 TEST_F(CudaForwardOpsTest, EmbeddingMatchesTheCpuBackend) {
@@ -894,19 +909,9 @@ TEST_F(CudaForwardOpsTest, MoeExpertsMatchTheCpuBackend) {
       up_ptrs.push_back(up[e].data());
       down_ptrs.push_back(down[e].data());
     }
-    // Random distinct ascending ids per token, random weights.
     std::vector<int32_t> ids;
     std::vector<float> weights;
-    for (int64_t t = 0; t < c.tokens; ++t) {
-      std::vector<int32_t> all(c.experts);
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      std::sort(all.begin(), all.begin() + c.top_k);
-      ids.insert(ids.end(), all.begin(), all.begin() + c.top_k);
-      for (int32_t j = 0; j < c.top_k; ++j) {
-        weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
-      }
-    }
+    RandomRouting(rng, c.tokens, c.experts, c.top_k, ids, weights);
     const std::vector<float> shared = Random(rng, c.tokens * c.hidden);
     std::vector<float> expected(c.tokens * c.hidden);
     ASSERT_TRUE(cpu::MoeExperts({.x = x.data(),
@@ -1116,16 +1121,7 @@ void ExpectQuantizedExpertsStream(ExpertFormat format) {
     const std::vector<float> x = RoundToBf16(Random(rng, c.tokens * c.hidden));
     std::vector<int32_t> ids;
     std::vector<float> topk_weights;
-    for (int64_t t = 0; t < c.tokens; ++t) {
-      std::vector<int32_t> all(c.experts);
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      std::sort(all.begin(), all.begin() + c.top_k);
-      ids.insert(ids.end(), all.begin(), all.begin() + c.top_k);
-      for (int32_t j = 0; j < c.top_k; ++j) {
-        topk_weights.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
-      }
-    }
+    RandomRouting(rng, c.tokens, c.experts, c.top_k, ids, topk_weights);
     std::vector<const float*> gate_ptrs, up_ptrs, down_ptrs;
     for (int32_t e = 0; e < c.experts; ++e) {
       gate_ptrs.push_back(gate.dequantized[e].data());
