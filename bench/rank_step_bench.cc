@@ -24,7 +24,8 @@
 // --experts int4 makes the routed experts INT4 as Kimi-K2-Thinking ships them (groups of 32,
 // bf16 scales; streamed quantized: moe_int4_tiles.h), so all 61 layers of a rank fit on one H200
 // (--layers 61 --first-dense 1: Kimi-K2's depth with its dense first layer); --experts fp8 makes
-// them FP8 as DeepSeek-V3 ships its weights (128 x 128 blocks; moe_fp8_tiles.h), the rest bf16.
+// the weights FP8 as DeepSeek-V3 ships them (128 x 128 blocks): the experts (moe_fp8_tiles.h) and
+// the dense projections (block_fp8.h); norms, router, embedding and LM head stay bf16.
 // Each row reports tokens per second at --accepted tokens a step (at most the tree's depth plus
 // one; one without a tree).
 //
@@ -144,7 +145,8 @@ int64_t LayerBytes(const ModelConfig& c, const ShardingPlan& plan, int64_t max_k
   const int64_t expert_bytes = expert_format == "int4"  ? experts / 2 + experts / 16
                                : expert_format == "fp8" ? experts + experts / 1024
                                                         : 2 * experts;
-  return 2 * (attention + shared + c.n_routed_experts * h) + expert_bytes +
+  const int64_t projection_bytes = (expert_format == "fp8" ? 1 : 2) * (attention + shared);
+  return projection_bytes + 2 * c.n_routed_experts * h + expert_bytes +
          max_keys * c.kv_row_dim() * 2;
 }
 

@@ -45,6 +45,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=$root/.gpu-bundle
 gpu_tests=(tests/kernels/cuda_rms_norm_test tests/kernels/cuda_forward_ops_test
+           tests/kernels/cuda_block_fp8_gemm_test
            tests/kernels/cuda_mla_verify_attention_test tests/kernels/cuda_mha_prefill_attention_test
            tests/worker/cuda_forward_test
            tests/worker/cuda_golden_test tests/worker/nccl_communicator_test
@@ -60,9 +61,11 @@ gpu_benches=(bench/mla_verify_bench bench/wgmma_shape_probe bench/rank_step_benc
 # run 87) and is recorded for the wide kernel, whose tile hand-off between its warpgroups racecheck
 # also reports in a correct 60-line kernel (bench/NOTES.md, steps 45-46).
 sanitized=("cuda_mla_verify_attention_test:*GraphReplay*:*TinyModel*"
-           "cuda_mha_prefill_attention_test:*" "cuda_forward_ops_test:*MoeExperts*")
+           "cuda_mha_prefill_attention_test:*" "cuda_forward_ops_test:*MoeExperts*"
+           "cuda_block_fp8_gemm_test:*")
 race_gating=("cuda_mla_verify_attention_test:*EveryNarrowRowTile*:*PortableKernelAtProductionDims*"
-             "cuda_mha_prefill_attention_test:*Nope16*" "cuda_forward_ops_test:*MoeExperts*")
+             "cuda_mha_prefill_attention_test:*Nope16*" "cuda_forward_ops_test:*MoeExperts*"
+             "cuda_block_fp8_gemm_test:*")
 race_recorded=("cuda_mla_verify_attention_test:*ProductionDimsMatchTheCpuBackend*")
 
 case "${1:-}" in

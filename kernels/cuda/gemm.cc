@@ -51,6 +51,26 @@ absl::Status SetBatch(cublasLtMatrixLayout_t layout, int32_t batch, int64_t stri
   return absl::OkStatus();
 }
 
+// Sizes cuBLASLt takes, strides that hold the rows, and arrays where there is work.
+template <typename Weight, typename Output>
+absl::Status CheckProduct(const GemmParamsOf<Bf16, Weight, Output>& p) {
+  const int64_t x_stride = p.x_stride ? p.x_stride : p.k;
+  const int64_t w_stride = p.weight_stride ? p.weight_stride : p.k;
+  const int64_t y_stride = p.y_stride ? p.y_stride : p.n;
+  constexpr int64_t kMaxDim = 0x7fffffff;
+  if (p.m < 0 || p.n <= 0 || p.k <= 0 || p.m > kMaxDim || p.n > kMaxDim || p.k > kMaxDim ||
+      p.batch < 1 || p.batch > kMaxDim || x_stride < p.k || w_stride < p.k || y_stride < p.n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::Gemm: need 0 <= m, 0 < n, k, batch < 2^31 and strides at least the rows; got m=",
+        p.m, " n=", p.n, " k=", p.k, " batch=", p.batch, " strides ", x_stride, "/", w_stride, "/",
+        y_stride));
+  }
+  if (p.m > 0 && (p.x == nullptr || p.weight == nullptr || p.y == nullptr)) {
+    return absl::InvalidArgumentError("cuda::Gemm: x, weight and y must be non-null");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GemmRunner>> GemmRunner::Create(int64_t workspace_bytes,
@@ -95,6 +115,7 @@ GemmRunner::~GemmRunner() {
   plans_.clear();
   cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
   cudaFree(workspace_);
+  cudaFree(dequantized_);
   FreeResidentGemmScratch(resident_scratch_);
 }
 
@@ -111,23 +132,74 @@ absl::Status GemmRunner::Run(const GemmParamsOf<Bf16, Bf16, float>& params, cuda
   return RunImpl(params, stream);
 }
 
+absl::Status GemmRunner::Run(const BlockFp8GemmParamsOf<Bf16>& params, cudaStream_t stream) {
+  return RunFp8(params, stream);
+}
+
+absl::Status GemmRunner::Run(const BlockFp8GemmParamsOf<float>& params, cudaStream_t stream) {
+  return RunFp8(params, stream);
+}
+
+absl::Status GemmRunner::ReserveDequantized(int64_t elements) {
+  if (elements <= dequantized_elements_) return absl::OkStatus();
+  // The old scratch may still be read by queued work on any stream this runner launched on.
+  TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  cudaFree(dequantized_);
+  dequantized_ = nullptr;
+  dequantized_elements_ = 0;
+  TV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&dequantized_),
+                                     static_cast<size_t>(elements) * sizeof(Bf16)));
+  dequantized_elements_ = elements;
+  return absl::OkStatus();
+}
+
+template <typename Output>
+absl::Status GemmRunner::RunFp8(const BlockFp8GemmParamsOf<Output>& params, cudaStream_t stream) {
+  const GemmParamsOf<Bf16, uint8_t, Output>& p = params.product;
+  TV_RETURN_IF_ERROR(CheckProduct(p));
+  if (p.m == 0) return absl::OkStatus();
+  if (p.weight_stride != 0 && p.weight_stride != p.k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda::Gemm: FP8 weight rows must be k apart; got weight_stride=", p.weight_stride,
+        " for k=", p.k));
+  }
+  if (params.scales == nullptr) {
+    return absl::InvalidArgumentError("cuda::Gemm: an FP8 weight needs its scales");
+  }
+  if (const ResidentGemmPlan resident = PlanResidentGemm(p, resident_device_, resident_scratch_);
+      resident.blocks > 0) {
+    return ResidentGemm(params, resident, resident_scratch_, stream);
+  }
+  const int64_t elements = p.batch * p.n * p.k;
+  if (elements > dequantized_elements_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda::Gemm: an FP8 product of ", p.m, " rows x ", p.batch, " x ", p.n, " x ", p.k,
+        " needs ", elements, " elements of dequantized scratch; ReserveDequantized gave ",
+        dequantized_elements_));
+  }
+  TV_RETURN_IF_ERROR(DequantizeBlockFp8(params, dequantized_, stream));
+  return RunImpl(GemmParamsOf<Bf16, Bf16, Output>{.x = p.x,
+                                                  .weight = dequantized_,
+                                                  .y = p.y,
+                                                  .m = p.m,
+                                                  .n = p.n,
+                                                  .k = p.k,
+                                                  .x_stride = p.x_stride,
+                                                  .y_stride = p.y_stride,
+                                                  .batch = p.batch,
+                                                  .x_batch_stride = p.x_batch_stride,
+                                                  .weight_batch_stride = p.n * p.k,
+                                                  .y_batch_stride = p.y_batch_stride},
+                 stream);
+}
+
 template <typename Output>
 absl::Status GemmRunner::RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& p, cudaStream_t stream) {
+  TV_RETURN_IF_ERROR(CheckProduct(p));
+  if (p.m == 0) return absl::OkStatus();
   const int64_t x_stride = p.x_stride ? p.x_stride : p.k;
   const int64_t w_stride = p.weight_stride ? p.weight_stride : p.k;
   const int64_t y_stride = p.y_stride ? p.y_stride : p.n;
-  constexpr int64_t kMaxDim = 0x7fffffff;
-  if (p.m < 0 || p.n <= 0 || p.k <= 0 || p.m > kMaxDim || p.n > kMaxDim || p.k > kMaxDim ||
-      p.batch < 1 || p.batch > kMaxDim || x_stride < p.k || w_stride < p.k || y_stride < p.n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cuda::Gemm: need 0 <= m, 0 < n, k, batch < 2^31 and strides at least the rows; got m=",
-        p.m, " n=", p.n, " k=", p.k, " batch=", p.batch, " strides ", x_stride, "/", w_stride, "/",
-        y_stride));
-  }
-  if (p.m == 0) return absl::OkStatus();
-  if (p.x == nullptr || p.weight == nullptr || p.y == nullptr) {
-    return absl::InvalidArgumentError("cuda::Gemm: x, weight and y must be non-null");
-  }
   if (const ResidentGemmPlan resident = PlanResidentGemm(p, resident_device_, resident_scratch_);
       resident.blocks > 0) {
     return ResidentGemm(p, resident, resident_scratch_, stream);

@@ -5,11 +5,10 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
+#include "fp8_dequantize.cuh"
 #include "treeverify/kernels/cuda/bf16.h"
 #include "treeverify/kernels/cuda/moe_fp8_tiles.h"
 #include "treeverify/kernels/cuda/moe_int4_tiles.h"
@@ -37,15 +36,6 @@ __device__ inline ExpertRecords RecordsOf(const MoeExpertsParamsOf<Bf16, Bf16>& 
                                                 : Fp8DownLayout(p.hidden, p.intermediate)};
 }
 
-// The bits of `from` as a `To` of the same size (register moves; no conversion).
-template <typename To, typename From>
-__device__ __forceinline__ To BitCast(From from) {
-  static_assert(sizeof(To) == sizeof(From));
-  To to;
-  memcpy(&to, &from, sizeof(To));
-  return to;
-}
-
 // bf16 128 + n for the nibbles n at bits 0-3 and 16-19, exactly (the bf16 spacing at 128 is 1).
 inline constexpr uint32_t kInt4Magic = 0x43004300u;
 // bf16 136 twice: the magic's 128 and the format's offset of 8, subtracted exactly.
@@ -67,16 +57,6 @@ __device__ __forceinline__ uint32_t DequantizeInt4Pair(uint32_t shifted, uint32_
       __hmul2(__hsub2(BitCast<__nv_bfloat162>(biased), BitCast<__nv_bfloat162>(kInt4Offset)),
               BitCast<__nv_bfloat162>(scale_pair));
   return BitCast<uint32_t>(value);
-}
-
-// bf16(fp32(e4m3) x scale) for the pair of e4m3 bytes in the low 16 bits of `bytes` (low byte the
-// low half): the loader's fp32 product, rounded to bf16 as its upload rounds it.
-__device__ __forceinline__ uint32_t DequantizeFp8Pair(uint32_t bytes, float scale) {
-  const __half2_raw halves =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes & 0xffffu), __NV_E4M3);
-  const float2 values = __half22float2(BitCast<__half2>(halves));
-  return BitCast<uint32_t>(
-      __floats2bfloat162_rn(__fmul_rn(values.x, scale), __fmul_rn(values.y, scale)));
 }
 
 // A fragment word of an INT4 record (moe_int4_tiles.h) as its k-step's four A registers: `scales`

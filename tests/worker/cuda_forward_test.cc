@@ -21,6 +21,7 @@
 #include "../kernels/cuda/cuda_test_base.h"
 #include "gtest/gtest.h"
 #include "margin_rule.h"
+#include "treeverify/kernels/cuda/block_fp8.h"
 #include "treeverify/kernels/cuda/device.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
@@ -75,7 +76,8 @@ std::vector<Model> Models() {
   tools::CheckpointSpec int4_all_experts = int4;
   int4_all_experts.num_experts_per_tok = int4.n_routed_experts;
   models.push_back({"tiny-kimi-int4-all-experts", int4_all_experts});
-  // DeepSeek-V3's FP8 blocks: the experts streamed in FP8, the dense projections dequantized.
+  // DeepSeek-V3's FP8 blocks: the experts streamed in FP8, the dense projections' FP8 products
+  // (blocks larger than these dims; W_UK and W_UV, whose heads cut blocks, in bf16).
   tools::CheckpointSpec fp8 = *tools::PresetSpec("tiny-kimi");
   fp8.quantization.method = WeightQuantization::Method::kFp8Block;
   models.push_back({"tiny-kimi-fp8", fp8, /*near_ties=*/true, /*single_rank=*/true});
@@ -98,7 +100,12 @@ std::vector<Model> Models() {
   wide.v_head_dim = 128;
   wide.num_hidden_layers = 2;
   wide.vocab_size = 1024;
-  models.push_back({"dense-v3-attention-dims", wide});
+  // DeepSeek-V3's FP8 at its attention dims: every projection FP8 on the GPU, W_UK and W_UV a
+  // head's whole blocks each; heads of 192 query rows, which a second rank would cut off a block.
+  tools::CheckpointSpec wide_fp8 = wide;
+  wide_fp8.quantization.method = WeightQuantization::Method::kFp8Block;
+  models.push_back({"dense-v3-attention-dims-fp8", wide_fp8, false, /*single_rank=*/true});
+  models.push_back({"dense-v3-attention-dims", wide});  // last: the tests below take it
   return models;
 }
 
@@ -770,6 +777,52 @@ TEST_F(CudaForwardTest, QuantizedExpertsStayQuantizedOnTheGpu) {
         EXPECT_EQ(layer.moe.gate.size(), 0);
       }
       EXPECT_GT(moe_layers, 0);
+    }
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// An FP8 checkpoint's dense projections reach the GPU as stored, bytes and block scales (the
+// models above then test the FP8 products against the CPU): every one at DeepSeek-V3's attention
+// dims; at the tiny dims all but W_UK and W_UV, whose 16-row heads cut the 128-row blocks, and the
+// shared expert's gate/up, whose 32 gate rows would leave up's rows mid-block (bf16 of the same
+// values); the dense MLP's 128 gate rows end on a block edge.
+TEST_F(CudaForwardTest, Fp8ProjectionsStayFp8OnTheGpu) {
+  for (const std::string name : {"tiny-kimi-fp8", "dense-v3-attention-dims-fp8"}) {
+    SCOPED_TRACE(name);
+    std::optional<Model> model;
+    for (const Model& m : Models()) {
+      if (m.name == name) model = m;
+    }
+    ASSERT_TRUE(model.has_value());
+    const std::string dir = WriteModel(*model);
+    auto config = ModelConfig::FromFile(dir + "/config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto plan = ShardingPlan::Make(*config, 0, 1, ExpertSharding::kSplitInside);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto weights = ModelWeights::Load(dir, *config, *plan);
+    ASSERT_TRUE(weights.ok()) << weights.status();
+    auto device = UploadWeights(**weights);
+    ASSERT_TRUE(device.ok()) << device.status();
+    const bool absorbed_fp8 = name != "tiny-kimi-fp8";
+    for (const DeviceLayerWeights& layer : device->layers) {
+      const DeviceAttentionWeights& a = layer.attention;
+      for (const DeviceProjection* w :
+           {&a.q_a_proj, &a.q_proj, &a.kv_a_proj, &a.kv_b_proj, &a.o_proj, &layer.dense.gate_up,
+            &layer.dense.down, &layer.moe.shared.down}) {
+        if (w->elements() == 0) continue;  // dense or MoE: the other's
+        EXPECT_TRUE(w->is_fp8());
+        EXPECT_EQ(w->bf16.size(), 0);
+      }
+      if (layer.is_moe) {
+        EXPECT_FALSE(layer.moe.shared.gate_up.is_fp8());  // tiny-kimi's 32 rows of gate
+      }
+      EXPECT_EQ(a.w_uk_t.is_fp8(), absorbed_fp8);
+      EXPECT_EQ(a.w_uv.is_fp8(), absorbed_fp8);
+      const int64_t heads = plan->heads.size(), lora = config->kv_lora_rank;
+      EXPECT_EQ(a.w_uk_t.elements(), heads * lora * config->qk_nope_head_dim);
+      EXPECT_EQ(a.o_proj.fp8_scales.size(),
+                kernels::cuda::Fp8ScaleCount(config->hidden_size, heads * config->v_head_dim));
     }
     std::filesystem::remove_all(dir);
   }

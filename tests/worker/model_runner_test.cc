@@ -10,6 +10,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "treeverify/kernels/rms_norm.h"
 #include "treeverify/tools/checkpoint_generator.h"
 #include "treeverify/tools/local_model.h"
+#include "treeverify/worker/model_weights.h"
 #include "treeverify/worker/quantized_weights.h"
 #include "treeverify/worker/safetensors.h"
 #include "treeverify/worker/segment_tree.h"
@@ -562,6 +564,49 @@ TEST(ModelRunnerTest, QuantizedCheckpointsRunAsTheirDequantizedWeights) {
     std::filesystem::remove_all(quantized_dir);
     std::filesystem::remove_all(float_dir);
   }
+}
+
+// An FP8 checkpoint's dense projections load as stored beside their values (for the GPU's FP8
+// products), and the stored slices stand for exactly those values; gate and up stack into one
+// FP8 matrix where gate's rows end on a block edge (tiny-kimi's dense 128), not otherwise (its
+// shared expert's 32).
+TEST(ModelRunnerTest, Fp8ProjectionsLoadAsStoredBesideTheirValues) {
+  auto spec = tools::PresetSpec("tiny-kimi");
+  ASSERT_TRUE(spec.ok());
+  spec->quantization.method = WeightQuantization::Method::kFp8Block;
+  const std::string dir =
+      testing::TempDir() + "/model_runner_test_fp8_projections_" + std::to_string(::getpid());
+  ASSERT_TRUE(tools::WriteCheckpoint(dir, *spec).ok());
+  auto config = ModelConfig::FromFile(dir + "/config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto plan = ShardingPlan::Make(*config, 0, 1, ExpertSharding::kSplitInside);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto weights = ModelWeights::Load(dir, *config, *plan);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto expect_stored = [](const std::optional<Fp8Matrix>& stored, const std::vector<float>& values,
+                          const char* name) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(stored.has_value());
+    EXPECT_EQ(stored->rows * stored->cols, static_cast<int64_t>(values.size()));
+    EXPECT_EQ(Dequantized(*stored), values);
+  };
+  for (const LayerWeights& layer : (*weights)->layers) {
+    const AttentionWeights& a = layer.attention;
+    expect_stored(a.fp8_q_a_proj, a.q_a_proj, "q_a_proj");
+    expect_stored(a.fp8_q_proj, a.q_proj, "q_b_proj");
+    expect_stored(a.fp8_kv_a_proj, a.kv_a_proj, "kv_a_proj");
+    expect_stored(a.fp8_o_proj, a.o_proj, "o_proj");
+    ASSERT_TRUE(a.fp8_kv_b_proj.has_value());
+    EXPECT_EQ(a.fp8_kv_b_proj->cols, config->kv_lora_rank);
+    const MlpWeights& mlp = layer.is_moe ? layer.moe.shared : layer.dense;
+    expect_stored(mlp.fp8_down, mlp.down, "down_proj");
+    if (layer.is_moe) {
+      EXPECT_FALSE(mlp.fp8_gate_up.has_value());  // 32 gate rows: up's would start mid-block
+    } else {
+      expect_stored(mlp.fp8_gate_up, mlp.gate_up, "gate_proj over up_proj");
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ModelRunnerTest, BadOrOversizedSequencesFailAlone) {

@@ -57,6 +57,30 @@ TEST(StepAccountingTest, ModelsTheBytesEachPhaseMoves) {
   EXPECT_DOUBLE_EQ(account.phase(StepPhase::kAllReduce).modeled_bytes, 0.0);
 }
 
+// FP8 projections (DeepSeek-V3's) count a byte a weight, the norms and the router still bf16, the
+// experts at their own rate.
+TEST(StepAccountingTest, Fp8ProjectionsCountTheirOwnBytes) {
+  const ModelConfig c = SmallConfig();
+  auto plan = ShardingPlan::Make(c, 0, 2, ExpertSharding::kSplitInside);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const StepShape shape{.rows = 8,
+                        .keys = {105, 43},
+                        .active_experts = {0, 3, 5},
+                        .expert_weight_bytes = 1.0,
+                        .projection_weight_bytes = 1.0};
+  StepAccount account;
+  ModelStepBytes(c, *plan, shape, account);
+  const double norms = (64 + 48 + 32) * 2.0;
+  const double projections = 48 * 64 + 2 * 24 * 48 + 40 * 64 + 2 * 32 * 32 + 64 * 2 * 16;
+  EXPECT_DOUBLE_EQ(account.phase(StepPhase::kAttention).modeled_bytes,
+                   3 * (norms + projections + (148 + 8) * 40 * 2.0));
+  const double dense = 64 * 2.0 + 3 * 64 * 48;
+  auto moe = [](double active) {
+    return (64 + 8 * 64) * 2.0 + active * 3 * 64 * 16 + 3 * 64 * 16 + 32;
+  };
+  EXPECT_DOUBLE_EQ(account.phase(StepPhase::kMoe).modeled_bytes, dense + moe(3) + moe(5));
+}
+
 TEST(StepAccountingTest, UtilizationIsBytesOverTimeOverTheCeiling) {
   StepAccount account;
   account.copy_bytes_per_second = 4e12;

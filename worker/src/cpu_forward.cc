@@ -117,7 +117,8 @@ void CpuForward::Account(const BatchInputs& batch, StepAccount& account) {
                   .active_experts = active_experts_,
                   .weight_bytes = sizeof(float),
                   .kv_bytes = sizeof(float),
-                  .expert_weight_bytes = sizeof(float)};
+                  .expert_weight_bytes = sizeof(float),
+                  .projection_weight_bytes = sizeof(float)};
   for (int32_t s = 0; s < batch.sequences(); ++s) {
     shape.keys.push_back(int64_t{batch.committed_lengths[s]} + batch.row_offsets[s + 1] -
                          batch.row_offsets[s]);

@@ -34,6 +34,62 @@ absl::Status CudaForwardOptions::Validate() const {
 
 namespace {
 
+// y = x . w^T for a product `p` says all of but its weight: w's bf16, or its FP8 bytes and
+// scales (the batch's products as DeviceProjection lays them out).
+template <typename Output>
+absl::Status ProjectImpl(cuda::GemmRunner& gemm, const DeviceProjection& w,
+                         kernels::GemmParamsOf<Bf16, Bf16, Output> p, cudaStream_t stream) {
+  if (!w.is_fp8()) {
+    p.weight = w.bf16.get();
+    return gemm.Run(p, stream);
+  }
+  return gemm.Run(
+      cuda::BlockFp8GemmParamsOf<Output>{.product = {.x = p.x,
+                                                     .weight = w.fp8.get(),
+                                                     .y = p.y,
+                                                     .m = p.m,
+                                                     .n = p.n,
+                                                     .k = p.k,
+                                                     .x_stride = p.x_stride,
+                                                     .weight_stride = p.weight_stride,
+                                                     .y_stride = p.y_stride,
+                                                     .batch = p.batch,
+                                                     .x_batch_stride = p.x_batch_stride,
+                                                     .weight_batch_stride = p.weight_batch_stride,
+                                                     .y_batch_stride = p.y_batch_stride},
+                                         .scales = w.fp8_scales.get()},
+      stream);
+}
+absl::Status Project(cuda::GemmRunner& gemm, const DeviceProjection& w,
+                     const kernels::GemmParamsOf<Bf16, Bf16, Bf16>& p, cudaStream_t stream) {
+  return ProjectImpl(gemm, w, p, stream);
+}
+absl::Status Project(cuda::GemmRunner& gemm, const DeviceProjection& w,
+                     const kernels::GemmParamsOf<Bf16, Bf16, float>& p, cudaStream_t stream) {
+  return ProjectImpl(gemm, w, p, stream);
+}
+
+// The elements of the largest FP8 projection of every layer (`side`: of those the side branch
+// runs, kv_a and the shared expert), 0 where none is FP8.
+int64_t LargestFp8Projection(const DeviceWeights& weights, bool side) {
+  int64_t largest = 0;
+  auto consider = [&](const DeviceProjection& w) {
+    if (w.is_fp8()) largest = std::max(largest, w.elements());
+  };
+  for (const DeviceLayerWeights& layer : weights.layers) {
+    const DeviceAttentionWeights& a = layer.attention;
+    consider(a.kv_a_proj);
+    const DeviceMlpWeights& shared = layer.moe.shared;
+    for (const DeviceProjection* w : {&shared.gate_up, &shared.down}) consider(*w);
+    if (side) continue;
+    for (const DeviceProjection* w : {&a.q_a_proj, &a.q_proj, &a.w_uk_t, &a.w_uv, &a.kv_b_proj,
+                                      &a.o_proj, &layer.dense.gate_up, &layer.dense.down}) {
+      consider(*w);
+    }
+  }
+  return largest;
+}
+
 // A stream that is destroyed unless handed on.
 class OwnedStream {
  public:
@@ -119,6 +175,11 @@ absl::StatusOr<std::unique_ptr<CudaForward>> CudaForward::Create(
     TV_ASSIGN_OR_RETURN(side_gemm,
                         cuda::GemmRunner::Create(kGemmWorkspaceBytes, options.resident_products));
     TV_ASSIGN_OR_RETURN(side, SideStream::Create());
+  }
+  // Scratch for the FP8 products the resident kernel does not take (more than 16 rows).
+  TV_RETURN_IF_ERROR(gemm->ReserveDequantized(LargestFp8Projection(weights, /*side=*/false)));
+  if (side_gemm != nullptr) {
+    TV_RETURN_IF_ERROR(side_gemm->ReserveDequantized(LargestFp8Projection(weights, true)));
   }
   // Everything that can fail comes before the backend exists: it owns the stream from then on,
   // and a failed Create leaves the stream to the caller.
@@ -251,6 +312,9 @@ absl::Status CudaForward::Account(const BatchInputs& batch, const StepLayout& la
 
   const ModelConfig& c = weights_.config;
   StepShape shape{.rows = batch.rows(), .committed_moves = commits.moves};
+  if (!weights_.layers.empty() && weights_.layers.front().attention.o_proj.is_fp8()) {
+    shape.projection_weight_bytes = 1.0 + 4.0 / (128.0 * 128.0);  // block_fp8.h
+  }
   for (const DeviceLayerWeights& layer : weights_.layers) {
     if (!layer.is_moe) continue;
     if (layer.moe.layout == DeviceMoeWeights::Layout::kInt4) {
@@ -757,13 +821,13 @@ absl::Status CudaForward::Attention(int64_t layer_index, const StepLayout& layou
   }
   if (!prefill_chains_.empty()) TV_RETURN_IF_ERROR(PrefillAttention(layer_index, layout));
   // o_proj: this rank's partial sum over its heads, all-reduced by the caller.
-  return gemm_->Run({.x = activations_.values.get(),
-                     .weight = w.o_proj.get(),
-                     .y = activations_.branch.get(),
-                     .m = layout.rows,
-                     .n = c.hidden_size,
-                     .k = heads * c.v_head_dim},
-                    stream_);
+  return Project(*gemm_, w.o_proj,
+                 {.x = activations_.values.get(),
+                  .y = activations_.branch.get(),
+                  .m = layout.rows,
+                  .n = c.hidden_size,
+                  .k = heads * c.v_head_dim},
+                 stream_);
 }
 
 CudaForward::AttentionDims CudaForward::attention_dims() const {
@@ -785,22 +849,14 @@ absl::Status CudaForward::ProjectQueries(const DeviceAttentionWeights& w, int64_
   const int64_t heads = weights_.plan.heads.size();
   const int64_t qk = c.qk_head_dim();
   if (!c.q_lora_rank) {
-    return gemm_->Run({.x = a.normed.get(),
-                       .weight = w.q_proj.get(),
-                       .y = a.q.get(),
-                       .m = rows,
-                       .n = heads * qk,
-                       .k = hidden},
-                      stream_);
+    return Project(*gemm_, w.q_proj,
+                   {.x = a.normed.get(), .y = a.q.get(), .m = rows, .n = heads * qk, .k = hidden},
+                   stream_);
   }
   const int64_t q_lora = *c.q_lora_rank;
-  TV_RETURN_IF_ERROR(gemm_->Run({.x = a.normed.get(),
-                                 .weight = w.q_a_proj.get(),
-                                 .y = a.q_a.get(),
-                                 .m = rows,
-                                 .n = q_lora,
-                                 .k = hidden},
-                                stream_));
+  TV_RETURN_IF_ERROR(Project(
+      *gemm_, w.q_a_proj,
+      {.x = a.normed.get(), .y = a.q_a.get(), .m = rows, .n = q_lora, .k = hidden}, stream_));
   TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.q_a.get(),
                                     .weight = w.q_a_norm.get(),
                                     .output = a.q_a_normed.get(),
@@ -808,13 +864,9 @@ absl::Status CudaForward::ProjectQueries(const DeviceAttentionWeights& w, int64_
                                     .dim = q_lora,
                                     .eps = kLatentNormEps},
                                    stream_));
-  return gemm_->Run({.x = a.q_a_normed.get(),
-                     .weight = w.q_proj.get(),
-                     .y = a.q.get(),
-                     .m = rows,
-                     .n = heads * qk,
-                     .k = q_lora},
-                    stream_);
+  return Project(*gemm_, w.q_proj,
+                 {.x = a.q_a_normed.get(), .y = a.q.get(), .m = rows, .n = heads * qk, .k = q_lora},
+                 stream_);
 }
 
 // The new rows' latent KV: normalized latent and rotated shared key, into the cache.
@@ -825,13 +877,10 @@ absl::Status CudaForward::AppendNewRows(int64_t layer_index, int64_t rows, cudaS
   Activations& a = activations_;
   const int64_t lora = c.kv_lora_rank;
   const int64_t row_dim = c.kv_row_dim();
-  TV_RETURN_IF_ERROR(gemm.Run({.x = a.normed.get(),
-                               .weight = w.kv_a_proj.get(),
-                               .y = a.kv_a.get(),
-                               .m = rows,
-                               .n = row_dim,
-                               .k = c.hidden_size},
-                              stream));
+  TV_RETURN_IF_ERROR(
+      Project(gemm, w.kv_a_proj,
+              {.x = a.normed.get(), .y = a.kv_a.get(), .m = rows, .n = row_dim, .k = c.hidden_size},
+              stream));
   TV_RETURN_IF_ERROR(cuda::RmsNorm({.input = a.kv_a.get(),
                                     .weight = w.kv_a_norm.get(),
                                     .output = a.kv_row.get(),
@@ -888,19 +937,19 @@ absl::Status CudaForward::AbsorbedQueries(int64_t layer_index, int64_t rows) {
                                                    .input_row_stride = heads * qk,
                                                    .input_head_stride = qk},
                  side_stream()));
-  return gemm_->Run({.x = a.q.get(),
-                     .weight = w.w_uk_t.get(),
-                     .y = a.q_attn.get(),
-                     .m = rows,
-                     .n = lora,
-                     .k = nope,
-                     .x_stride = heads * qk,
-                     .y_stride = heads * row_dim,
-                     .batch = heads,
-                     .x_batch_stride = qk,
-                     .weight_batch_stride = lora * nope,
-                     .y_batch_stride = row_dim},
-                    stream_);
+  return Project(*gemm_, w.w_uk_t,
+                 {.x = a.q.get(),
+                  .y = a.q_attn.get(),
+                  .m = rows,
+                  .n = lora,
+                  .k = nope,
+                  .x_stride = heads * qk,
+                  .y_stride = heads * row_dim,
+                  .batch = heads,
+                  .x_batch_stride = qk,
+                  .weight_batch_stride = lora * nope,
+                  .y_batch_stride = row_dim},
+                 stream_);
 }
 
 // The tree attention in the latent space: the MLA kernel attends over the cache with the
@@ -940,19 +989,19 @@ absl::Status CudaForward::AbsorbedAttention(int64_t layer_index, const StepLayou
        .num_pages = static_cast<int32_t>(cache.num_pages),
        .softmax_scale = softmax_scale_},
       shape, *plan, mla_workspace_.get(), mla_workspace_.size(), stream_, inputs_.live_sequences));
-  return gemm_->Run({.x = a.latent_out.get(),
-                     .weight = w.w_uv.get(),
-                     .y = a.values.get(),
-                     .m = rows,
-                     .n = v,
-                     .k = lora,
-                     .x_stride = heads * lora,
-                     .y_stride = heads * v,
-                     .batch = heads,
-                     .x_batch_stride = lora,
-                     .weight_batch_stride = v * lora,
-                     .y_batch_stride = v},
-                    stream_);
+  return Project(*gemm_, w.w_uv,
+                 {.x = a.latent_out.get(),
+                  .y = a.values.get(),
+                  .m = rows,
+                  .n = v,
+                  .k = lora,
+                  .x_stride = heads * lora,
+                  .y_stride = heads * v,
+                  .batch = heads,
+                  .x_batch_stride = lora,
+                  .weight_batch_stride = v * lora,
+                  .y_batch_stride = v},
+                 stream_);
 }
 
 // The MHA form (cuda_forward.h): q_pe rotated in place; per chain its context's cache rows
@@ -994,14 +1043,14 @@ absl::Status CudaForward::PrefillAttention(int64_t layer_index, const StepLayout
          .num_pages = cache.num_pages},
         stream_));
     for (int64_t first = 0; first < keys; first += kPrefillKeyBlock) {
-      TV_RETURN_IF_ERROR(gemm_->Run({.x = prefill_latent_.get() + first * row_dim,
-                                     .weight = w.kv_b_proj.get(),
-                                     .y = prefill_kv_up_.get() + first * up_width,
-                                     .m = std::min(kPrefillKeyBlock, keys - first),
-                                     .n = up_width,
-                                     .k = lora,
-                                     .x_stride = row_dim},
-                                    stream_));
+      TV_RETURN_IF_ERROR(Project(*gemm_, w.kv_b_proj,
+                                 {.x = prefill_latent_.get() + first * row_dim,
+                                  .y = prefill_kv_up_.get() + first * up_width,
+                                  .m = std::min(kPrefillKeyBlock, keys - first),
+                                  .n = up_width,
+                                  .k = lora,
+                                  .x_stride = row_dim},
+                                 stream_));
     }
     TV_RETURN_IF_ERROR(
         cuda::MhaPrefillAttention({.q = a.q.get() + int64_t{chain.row_begin} * heads * qk,
@@ -1091,23 +1140,19 @@ absl::Status CudaForward::GatedMlp(const DeviceMlpWeights& mlp, int64_t rows, fl
                                    cudaStream_t stream, cuda::GemmRunner& gemm) {
   Activations& a = activations_;
   const int64_t hidden = weights_.config.hidden_size;
-  TV_RETURN_IF_ERROR(gemm.Run({.x = a.normed.get(),
-                               .weight = mlp.gate_up.get(),
-                               .y = a.gate_up.get(),
-                               .m = rows,
-                               .n = 2 * mlp.intermediate,
-                               .k = hidden},
-                              stream));
+  TV_RETURN_IF_ERROR(Project(gemm, mlp.gate_up,
+                             {.x = a.normed.get(),
+                              .y = a.gate_up.get(),
+                              .m = rows,
+                              .n = 2 * mlp.intermediate,
+                              .k = hidden},
+                             stream));
   TV_RETURN_IF_ERROR(cuda::SiluMul(
       {.gate_up = a.gate_up.get(), .out = a.activated.get(), .rows = rows, .dim = mlp.intermediate},
       stream));
-  return gemm.Run({.x = a.activated.get(),
-                   .weight = mlp.down.get(),
-                   .y = out,
-                   .m = rows,
-                   .n = hidden,
-                   .k = mlp.intermediate},
-                  stream);
+  return Project(gemm, mlp.down,
+                 {.x = a.activated.get(), .y = out, .m = rows, .n = hidden, .k = mlp.intermediate},
+                 stream);
 }
 
 absl::Status CudaForward::Moe(const DeviceMoeWeights& moe, int64_t rows, int32_t* active_count) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "treeverify/kernels/cuda/block_fp8.h"
 #include "treeverify/kernels/cuda/device_fill.h"
 #include "treeverify/kernels/cuda/moe.h"
 #include "treeverify/kernels/cuda/moe_fp8_tiles.h"
@@ -219,12 +220,74 @@ absl::Status PackRows(const std::vector<std::vector<float>>& matrices, DeviceArr
   return absl::OkStatus();
 }
 
+constexpr int64_t kBlock = kernels::cuda::kFp8BlockSize;
+
+bool KernelBlocks(const Fp8Matrix& m) { return m.block_rows == kBlock && m.block_cols == kBlock; }
+
+// An FP8 slice as stored.
+absl::StatusOr<DeviceProjection> ToDevice(const Fp8Matrix& m) {
+  DeviceProjection p;
+  TV_ASSIGN_OR_RETURN(p.fp8, Copy(m.bytes));
+  TV_ASSIGN_OR_RETURN(p.fp8_scales, Copy(m.scales));
+  return p;
+}
+
+// A projection's slice as stored where it is FP8 of the kernels' blocks, else its values in bf16.
+absl::StatusOr<DeviceProjection> ToDevice(const std::vector<float>& values,
+                                          const std::optional<Fp8Matrix>& fp8) {
+  if (fp8 && KernelBlocks(*fp8)) return ToDevice(*fp8);
+  DeviceProjection p;
+  TV_ASSIGN_OR_RETURN(p.bf16, ToDevice(values));
+  return p;
+}
+
 absl::StatusOr<DeviceMlpWeights> ToDevice(const MlpWeights& mlp) {
   DeviceMlpWeights device;
   device.intermediate = mlp.intermediate;
-  TV_ASSIGN_OR_RETURN(device.gate_up, ToDevice(mlp.gate_up));
-  TV_ASSIGN_OR_RETURN(device.down, ToDevice(mlp.down));
+  TV_ASSIGN_OR_RETURN(device.gate_up, ToDevice(mlp.gate_up, mlp.fp8_gate_up));
+  TV_ASSIGN_OR_RETURN(device.down, ToDevice(mlp.down, mlp.fp8_down));
   return device;
+}
+
+// W_UK^T [heads][lora, nope] and W_UV [heads][v, lora] of kv_b_proj's FP8 slice [heads * (nope +
+// v), lora], block for block: each product's blocks are whole blocks of kv_b_proj (transposed for
+// W_UK^T, the same scale) where nope, v and lora are multiples of 128 (DeepSeek-V3's 128, 128,
+// 512); nullopt otherwise. As 2-D matrices of heads * lora (heads * v) rows their scales are the
+// batch's, a head's after another's.
+struct AbsorbedFp8 {
+  Fp8Matrix w_uk_t, w_uv;
+};
+std::optional<AbsorbedFp8> SplitUpProjection(const Fp8Matrix& kv_b, int64_t heads, int64_t lora,
+                                             int64_t nope, int64_t v) {
+  if (!KernelBlocks(kv_b) || nope % kBlock != 0 || v % kBlock != 0 || lora % kBlock != 0 ||
+      kv_b.rows != heads * (nope + v) || kv_b.cols != lora) {
+    return std::nullopt;
+  }
+  const int64_t lora_blocks = lora / kBlock, nope_blocks = nope / kBlock, v_blocks = v / kBlock;
+  AbsorbedFp8 out{.w_uk_t = {.rows = heads * lora, .cols = nope},
+                  .w_uv = {.rows = heads * v, .cols = lora}};
+  out.w_uk_t.bytes.resize(heads * lora * nope);
+  out.w_uk_t.scales.resize(heads * lora_blocks * nope_blocks);
+  out.w_uv.bytes.resize(heads * v * lora);
+  out.w_uv.scales.resize(heads * v_blocks * lora_blocks);
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint8_t* head = kv_b.bytes.data() + h * (nope + v) * lora;
+    for (int64_t d = 0; d < nope; ++d) {
+      for (int64_t l = 0; l < lora; ++l)
+        out.w_uk_t.bytes[(h * lora + l) * nope + d] = head[d * lora + l];
+    }
+    std::copy_n(head + nope * lora, v * lora, out.w_uv.bytes.begin() + h * v * lora);
+    const float* head_scales = kv_b.scales.data() + h * (nope_blocks + v_blocks) * lora_blocks;
+    for (int64_t i = 0; i < lora_blocks; ++i) {
+      for (int64_t j = 0; j < nope_blocks; ++j) {
+        out.w_uk_t.scales[(h * lora_blocks + i) * nope_blocks + j] =
+            head_scales[j * lora_blocks + i];
+      }
+    }
+    std::copy_n(head_scales + nope_blocks * lora_blocks, v_blocks * lora_blocks,
+                out.w_uv.scales.begin() + h * v_blocks * lora_blocks);
+  }
+  return out;
 }
 
 // kv_b_proj [heads, nope + v, lora] from W_UK^T [heads, lora, nope] and W_UV [heads, v, lora],
@@ -246,6 +309,35 @@ absl::StatusOr<DeviceArray<Bf16>> UpProjection(const DeviceArray<Bf16>& w_uk_t,
   return Copy(kv_b);
 }
 
+absl::StatusOr<DeviceAttentionWeights> ToDevice(const AttentionWeights& a, const ModelConfig& c,
+                                                const ShardingPlan& plan) {
+  DeviceAttentionWeights d;
+  const int64_t heads = plan.heads.size(), lora = c.kv_lora_rank;
+  const int64_t nope = c.qk_nope_head_dim, v = c.v_head_dim;
+  TV_ASSIGN_OR_RETURN(d.q_a_proj, ToDevice(a.q_a_proj, a.fp8_q_a_proj));
+  TV_ASSIGN_OR_RETURN(d.q_a_norm, ToDevice(a.q_a_norm));
+  TV_ASSIGN_OR_RETURN(d.q_proj, ToDevice(a.q_proj, a.fp8_q_proj));
+  TV_ASSIGN_OR_RETURN(d.kv_a_proj, ToDevice(a.kv_a_proj, a.fp8_kv_a_proj));
+  TV_ASSIGN_OR_RETURN(d.kv_a_norm, ToDevice(a.kv_a_norm));
+  TV_ASSIGN_OR_RETURN(d.o_proj, ToDevice(a.o_proj, a.fp8_o_proj));
+  const std::optional<AbsorbedFp8> absorbed =
+      a.fp8_kv_b_proj ? SplitUpProjection(*a.fp8_kv_b_proj, heads, lora, nope, v) : std::nullopt;
+  if (absorbed) {
+    TV_ASSIGN_OR_RETURN(d.w_uk_t, ToDevice(absorbed->w_uk_t));
+    TV_ASSIGN_OR_RETURN(d.w_uv, ToDevice(absorbed->w_uv));
+  } else {
+    TV_ASSIGN_OR_RETURN(d.w_uk_t.bf16, ToDevice(a.w_uk_t));
+    TV_ASSIGN_OR_RETURN(d.w_uv.bf16, ToDevice(a.w_uv));
+  }
+  if (a.fp8_kv_b_proj && KernelBlocks(*a.fp8_kv_b_proj)) {
+    TV_ASSIGN_OR_RETURN(d.kv_b_proj, ToDevice(*a.fp8_kv_b_proj));
+  } else {
+    TV_ASSIGN_OR_RETURN(d.kv_b_proj.bf16,
+                        UpProjection(d.w_uk_t.bf16, d.w_uv.bf16, heads, lora, nope, v));
+  }
+  return d;
+}
+
 }  // namespace
 
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
@@ -260,20 +352,7 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights) {
     DeviceLayerWeights& out = device.layers.emplace_back();
     TV_ASSIGN_OR_RETURN(out.input_norm, ToDevice(layer.input_norm));
     TV_ASSIGN_OR_RETURN(out.post_norm, ToDevice(layer.post_norm));
-    const AttentionWeights& a = layer.attention;
-    DeviceAttentionWeights& d = out.attention;
-    TV_ASSIGN_OR_RETURN(d.q_a_proj, ToDevice(a.q_a_proj));
-    TV_ASSIGN_OR_RETURN(d.q_a_norm, ToDevice(a.q_a_norm));
-    TV_ASSIGN_OR_RETURN(d.q_proj, ToDevice(a.q_proj));
-    TV_ASSIGN_OR_RETURN(d.kv_a_proj, ToDevice(a.kv_a_proj));
-    TV_ASSIGN_OR_RETURN(d.kv_a_norm, ToDevice(a.kv_a_norm));
-    TV_ASSIGN_OR_RETURN(d.w_uk_t, ToDevice(a.w_uk_t));
-    TV_ASSIGN_OR_RETURN(d.w_uv, ToDevice(a.w_uv));
-    TV_ASSIGN_OR_RETURN(
-        d.kv_b_proj,
-        UpProjection(d.w_uk_t, d.w_uv, weights.plan.heads.size(), weights.config.kv_lora_rank,
-                     weights.config.qk_nope_head_dim, weights.config.v_head_dim));
-    TV_ASSIGN_OR_RETURN(d.o_proj, ToDevice(a.o_proj));
+    TV_ASSIGN_OR_RETURN(out.attention, ToDevice(layer.attention, weights.config, weights.plan));
     out.is_moe = layer.is_moe;
     if (!layer.is_moe) {
       TV_ASSIGN_OR_RETURN(out.dense, ToDevice(layer.dense));
@@ -332,14 +411,6 @@ class RandomTensors {
     TV_RETURN_IF_ERROR(kernels::cuda::FillConstant(array.get(), count, 1.0f, nullptr));
     return array;
   }
-  absl::StatusOr<DeviceMlpWeights> Mlp(int64_t intermediate, int64_t hidden) {
-    DeviceMlpWeights mlp;
-    mlp.intermediate = intermediate;
-    if (intermediate == 0) return mlp;
-    TV_ASSIGN_OR_RETURN(mlp.gate_up, Projection(2 * intermediate, hidden));
-    TV_ASSIGN_OR_RETURN(mlp.down, Projection(hidden, intermediate));
-    return mlp;
-  }
   // `count` matrices of rows x fan_in in one array, and their pointers.
   absl::Status Experts(int64_t count, int64_t rows, int64_t fan_in, DeviceArray<Bf16>& packed,
                        DeviceArray<const Bf16*>& pointers) {
@@ -373,21 +444,92 @@ class RandomTensors {
           static_cast<float>(std::sqrt(3.0 / (21.5 * fan))), scale_seed, nullptr));
       return m;
     }
-    const int64_t block = cuda::MoeFp8Records::kBlock;
-    const int64_t blocks = count * ((rows + block - 1) / block) * ((fan_in + block - 1) / block);
+    const int64_t blocks = count * cuda::Fp8ScaleCount(rows, fan_in);
     TV_ASSIGN_OR_RETURN(m.values, DeviceArray<uint8_t>::Allocate(count * rows * fan_in));
-    TV_RETURN_IF_ERROR(
-        cuda::FillUniformFp8E4M3(m.values.get(), m.values.size(), 1.0f, seed, nullptr));
     TV_ASSIGN_OR_RETURN(m.scales, DeviceArray<uint8_t>::Allocate(4 * blocks));
-    TV_RETURN_IF_ERROR(cuda::FillUniform(reinterpret_cast<float*>(m.scales.get()), blocks,
-                                         static_cast<float>(3.0 / std::sqrt(fan)), scale_seed,
-                                         nullptr));
+    TV_RETURN_IF_ERROR(FillFp8(m.values.get(), m.values.size(),
+                               reinterpret_cast<float*>(m.scales.get()), blocks, fan_in, seed));
     return m;
   }
 
+  // A dense projection of `batch` products of rows x fan_in, std 1/sqrt(fan_in): FP8 as
+  // QuantizedExperts makes them where `fp8`, else bf16 as Projection. One seed either way.
+  absl::StatusOr<DeviceProjection> DenseProjection(int64_t rows, int64_t fan_in, bool fp8,
+                                                   int64_t batch = 1) {
+    DeviceProjection p;
+    if (!fp8) {
+      TV_ASSIGN_OR_RETURN(p.bf16, Projection(batch * rows, fan_in));
+      return p;
+    }
+    TV_ASSIGN_OR_RETURN(p.fp8, DeviceArray<uint8_t>::Allocate(batch * rows * fan_in));
+    TV_ASSIGN_OR_RETURN(p.fp8_scales, DeviceArray<float>::Allocate(
+                                          batch * kernels::cuda::Fp8ScaleCount(rows, fan_in)));
+    TV_RETURN_IF_ERROR(FillFp8(p.fp8.get(), p.fp8.size(), p.fp8_scales.get(), p.fp8_scales.size(),
+                               fan_in, ++seed_));
+    return p;
+  }
+  absl::StatusOr<DeviceMlpWeights> Mlp(int64_t intermediate, int64_t hidden, bool fp8) {
+    DeviceMlpWeights mlp;
+    mlp.intermediate = intermediate;
+    if (intermediate == 0) return mlp;
+    TV_ASSIGN_OR_RETURN(mlp.gate_up, DenseProjection(2 * intermediate, hidden, fp8));
+    TV_ASSIGN_OR_RETURN(mlp.down, DenseProjection(hidden, intermediate, fp8));
+    return mlp;
+  }
+
  private:
+  // e4m3 of values uniform in [-1, 1) (std 1/sqrt(3)), fp32 scales uniform in [-a, a) with
+  // a = 3/sqrt(fan_in): weights of std 1/sqrt(fan_in).
+  static absl::Status FillFp8(uint8_t* values, int64_t count, float* scales, int64_t blocks,
+                              int64_t fan_in, uint32_t seed) {
+    TV_RETURN_IF_ERROR(kernels::cuda::FillUniformFp8E4M3(values, count, 1.0f, seed, nullptr));
+    return kernels::cuda::FillUniform(
+        scales, blocks, static_cast<float>(3.0 / std::sqrt(static_cast<double>(fan_in))),
+        seed ^ 0x9e3779b9u, nullptr);
+  }
+
   uint32_t seed_;
 };
+
+// kv_b_proj's FP8 slice [heads * (nope + v), lora] from W_UK^T and W_UV as SplitUpProjection
+// makes them (its inverse), on the device.
+absl::StatusOr<DeviceProjection> JoinUpProjection(const DeviceProjection& w_uk_t,
+                                                  const DeviceProjection& w_uv, int64_t heads,
+                                                  int64_t lora, int64_t nope, int64_t v) {
+  auto host = [](const DeviceProjection& p, int64_t rows,
+                 int64_t cols) -> absl::StatusOr<Fp8Matrix> {
+    Fp8Matrix m{.rows = rows, .cols = cols};
+    m.bytes.resize(p.fp8.size());
+    m.scales.resize(p.fp8_scales.size());
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(m.bytes.data(), p.fp8.get(), p.fp8.bytes(), cudaMemcpyDefault));
+    TV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(m.scales.data(), p.fp8_scales.get(), p.fp8_scales.bytes(), cudaMemcpyDefault));
+    return m;
+  };
+  TV_ASSIGN_OR_RETURN(const Fp8Matrix uk, host(w_uk_t, heads * lora, nope));
+  TV_ASSIGN_OR_RETURN(const Fp8Matrix uv, host(w_uv, heads * v, lora));
+  const int64_t lora_blocks = lora / kBlock, nope_blocks = nope / kBlock, v_blocks = v / kBlock;
+  Fp8Matrix kv_b{.rows = heads * (nope + v), .cols = lora};
+  kv_b.bytes.resize(kv_b.rows * lora);
+  kv_b.scales.resize(heads * (nope_blocks + v_blocks) * lora_blocks);
+  for (int64_t h = 0; h < heads; ++h) {
+    uint8_t* head = kv_b.bytes.data() + h * (nope + v) * lora;
+    for (int64_t d = 0; d < nope; ++d) {
+      for (int64_t l = 0; l < lora; ++l) head[d * lora + l] = uk.bytes[(h * lora + l) * nope + d];
+    }
+    std::copy_n(uv.bytes.begin() + h * v * lora, v * lora, head + nope * lora);
+    float* head_scales = kv_b.scales.data() + h * (nope_blocks + v_blocks) * lora_blocks;
+    for (int64_t i = 0; i < lora_blocks; ++i) {
+      for (int64_t j = 0; j < nope_blocks; ++j) {
+        head_scales[j * lora_blocks + i] = uk.scales[(h * lora_blocks + i) * nope_blocks + j];
+      }
+    }
+    std::copy_n(uv.scales.begin() + h * v_blocks * lora_blocks, v_blocks * lora_blocks,
+                head_scales + nope_blocks * lora_blocks);
+  }
+  return ToDevice(kv_b);
+}
 
 }  // namespace
 
@@ -400,6 +542,10 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
   const int64_t hidden = c.hidden_size;
   const int64_t heads = plan.heads.size();
   const int64_t lora = c.kv_lora_rank;
+  // FP8 projections as UploadWeights keeps a DeepSeek-V3 checkpoint's.
+  const bool fp8 = QuantizedExpertLayout(c.quantization) == Layout::kFp8;
+  const bool fp8_absorbed =
+      fp8 && c.qk_nope_head_dim % kBlock == 0 && c.v_head_dim % kBlock == 0 && lora % kBlock == 0;
   TV_ASSIGN_OR_RETURN(device.embedding, random.Uniform(plan.vocab.size() * hidden, 1.7));
   TV_ASSIGN_OR_RETURN(device.final_norm, random.Ones(hidden));
   TV_ASSIGN_OR_RETURN(device.lm_head, random.Projection(plan.vocab.size(), hidden, 8.0));
@@ -408,24 +554,29 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
     TV_ASSIGN_OR_RETURN(layer.input_norm, random.Ones(hidden));
     TV_ASSIGN_OR_RETURN(layer.post_norm, random.Ones(hidden));
     DeviceAttentionWeights& a = layer.attention;
+    const int64_t qk = c.qk_head_dim(), nope = c.qk_nope_head_dim, v = c.v_head_dim;
     if (c.q_lora_rank) {
-      TV_ASSIGN_OR_RETURN(a.q_a_proj, random.Projection(*c.q_lora_rank, hidden));
+      TV_ASSIGN_OR_RETURN(a.q_a_proj, random.DenseProjection(*c.q_lora_rank, hidden, fp8));
       TV_ASSIGN_OR_RETURN(a.q_a_norm, random.Ones(*c.q_lora_rank));
-      TV_ASSIGN_OR_RETURN(a.q_proj, random.Projection(heads * c.qk_head_dim(), *c.q_lora_rank));
+      TV_ASSIGN_OR_RETURN(a.q_proj, random.DenseProjection(heads * qk, *c.q_lora_rank, fp8));
     } else {
-      TV_ASSIGN_OR_RETURN(a.q_proj, random.Projection(heads * c.qk_head_dim(), hidden));
+      TV_ASSIGN_OR_RETURN(a.q_proj, random.DenseProjection(heads * qk, hidden, fp8));
     }
-    TV_ASSIGN_OR_RETURN(a.kv_a_proj, random.Projection(c.kv_row_dim(), hidden));
+    TV_ASSIGN_OR_RETURN(a.kv_a_proj, random.DenseProjection(c.kv_row_dim(), hidden, fp8));
     TV_ASSIGN_OR_RETURN(a.kv_a_norm, random.Ones(lora));
-    TV_ASSIGN_OR_RETURN(a.w_uk_t, random.Projection(heads * lora, c.qk_nope_head_dim));
-    TV_ASSIGN_OR_RETURN(a.w_uv, random.Projection(heads * c.v_head_dim, lora));
+    TV_ASSIGN_OR_RETURN(a.w_uk_t, random.DenseProjection(lora, nope, fp8_absorbed, heads));
+    TV_ASSIGN_OR_RETURN(a.w_uv, random.DenseProjection(v, lora, fp8_absorbed, heads));
     TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
-    TV_ASSIGN_OR_RETURN(
-        a.kv_b_proj, UpProjection(a.w_uk_t, a.w_uv, heads, lora, c.qk_nope_head_dim, c.v_head_dim));
-    TV_ASSIGN_OR_RETURN(a.o_proj, random.Projection(hidden, heads * c.v_head_dim));
+    if (fp8_absorbed) {
+      TV_ASSIGN_OR_RETURN(a.kv_b_proj, JoinUpProjection(a.w_uk_t, a.w_uv, heads, lora, nope, v));
+    } else {
+      TV_ASSIGN_OR_RETURN(a.kv_b_proj.bf16,
+                          UpProjection(a.w_uk_t.bf16, a.w_uv.bf16, heads, lora, nope, v));
+    }
+    TV_ASSIGN_OR_RETURN(a.o_proj, random.DenseProjection(hidden, heads * v, fp8));
     layer.is_moe = c.is_moe_layer(l);
     if (!layer.is_moe) {
-      TV_ASSIGN_OR_RETURN(layer.dense, random.Mlp(plan.dense_intermediate.size(), hidden));
+      TV_ASSIGN_OR_RETURN(layer.dense, random.Mlp(plan.dense_intermediate.size(), hidden, fp8));
       continue;
     }
     DeviceMoeWeights& moe = layer.moe;
@@ -449,7 +600,7 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
       TV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // the fills run on the default stream
       TV_RETURN_IF_ERROR(
           StageQuantizedExperts(quantized, local, hidden, intermediate, gate, up, down, moe));
-      TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
+      TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden, fp8));
       continue;
     }
     // Row-major first, from the same seeds either way, so that a benchmark's routing does not
@@ -464,7 +615,7 @@ absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& c, const Sh
       }
       TV_RETURN_IF_ERROR(TileExperts(moe, local, hidden, intermediate));
     }
-    TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden));
+    TV_ASSIGN_OR_RETURN(moe.shared, random.Mlp(plan.shared_intermediate.size(), hidden, fp8));
   }
   const std::vector<float> inv_freq = c.rope_inv_freq();
   TV_ASSIGN_OR_RETURN(device.rope_inv_freq, Copy(inv_freq));

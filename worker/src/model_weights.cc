@@ -11,15 +11,66 @@
 namespace treeverify::worker {
 namespace {
 
-// A rank's row or column range of a checkpoint tensor, as fp32 (dequantized if stored
-// quantized: quantized_weights.h).
+// A rank's row range of a checkpoint tensor, as fp32 (dequantized if stored quantized:
+// quantized_weights.h).
 absl::StatusOr<std::vector<float>> Rows(const WeightReader& checkpoint, const std::string& name,
                                         const std::vector<int64_t>& shape, ShardRange rows) {
   return checkpoint.ReadRows(name, shape, rows.begin, rows.end);
 }
-absl::StatusOr<std::vector<float>> Columns(const WeightReader& checkpoint, const std::string& name,
-                                           const std::vector<int64_t>& shape, ShardRange columns) {
-  return checkpoint.ReadColumns(name, shape, columns.begin, columns.end);
+
+// Rows [r0, r1) x columns [c0, c1) of a checkpoint matrix: its fp32 values, and where the
+// checkpoint stores it INT4 or FP8 the slice as stored, read once and dequantized from it.
+struct StoredMatrix {
+  std::vector<float> values;
+  std::optional<Int4Matrix> int4;
+  std::optional<Fp8Matrix> fp8;
+};
+absl::StatusOr<StoredMatrix> LoadMatrix(const WeightReader& reader, const std::string& name,
+                                        const std::vector<int64_t>& shape, int64_t r0, int64_t r1,
+                                        int64_t c0, int64_t c1) {
+  StoredMatrix m;
+  TV_ASSIGN_OR_RETURN(m.int4, reader.ReadInt4(name, shape, r0, r1, c0, c1));
+  TV_ASSIGN_OR_RETURN(m.fp8, reader.ReadFp8(name, shape, r0, r1, c0, c1));
+  if (m.int4) {
+    m.values = Dequantized(*m.int4);
+  } else if (m.fp8) {
+    m.values = Dequantized(*m.fp8);
+  } else if (c0 == 0 && c1 == shape[1]) {
+    TV_ASSIGN_OR_RETURN(m.values, reader.ReadRows(name, shape, r0, r1));
+  } else {
+    TV_ASSIGN_OR_RETURN(m.values, reader.ReadColumns(name, shape, c0, c1));
+  }
+  return m;
+}
+
+// A dense projection's rows (or columns) `range` ({} for all of them): its values, and its slice
+// as stored where the checkpoint stores it FP8.
+absl::StatusOr<std::vector<float>> Projection(const WeightReader& reader, const std::string& name,
+                                              const std::vector<int64_t>& shape,
+                                              std::optional<Fp8Matrix>& fp8,
+                                              std::optional<ShardRange> rows = std::nullopt,
+                                              std::optional<ShardRange> columns = std::nullopt) {
+  const ShardRange r = rows.value_or(ShardRange{0, shape[0]});
+  const ShardRange c = columns.value_or(ShardRange{0, shape[1]});
+  TV_ASSIGN_OR_RETURN(StoredMatrix m,
+                      LoadMatrix(reader, name, shape, r.begin, r.end, c.begin, c.end));
+  fp8 = std::move(m.fp8);
+  return std::move(m.values);
+}
+
+// `top`'s rows over `bottom`'s, where both are FP8 with the same columns and blocks and `top` ends
+// on a block edge (else the blocks would not be the matrices'): nullopt otherwise.
+std::optional<Fp8Matrix> StackRows(const std::optional<Fp8Matrix>& top,
+                                   const std::optional<Fp8Matrix>& bottom) {
+  if (!top || !bottom || top->cols != bottom->cols || top->block_rows != bottom->block_rows ||
+      top->block_cols != bottom->block_cols || top->rows % top->block_rows != 0) {
+    return std::nullopt;
+  }
+  Fp8Matrix stacked = *top;
+  stacked.rows += bottom->rows;
+  stacked.bytes.insert(stacked.bytes.end(), bottom->bytes.begin(), bottom->bytes.end());
+  stacked.scales.insert(stacked.scales.end(), bottom->scales.begin(), bottom->scales.end());
+  return stacked;
 }
 
 // A gated MLP [gate; up] x down whose intermediate columns `columns` this rank holds.
@@ -27,14 +78,18 @@ absl::StatusOr<MlpWeights> LoadMlp(const WeightReader& reader, const std::string
                                    int64_t hidden, int64_t intermediate, ShardRange columns) {
   MlpWeights mlp;
   mlp.intermediate = columns.size();
-  TV_ASSIGN_OR_RETURN(std::vector<float> gate,
-                      Rows(reader, prefix + "gate_proj.weight", {intermediate, hidden}, columns));
-  TV_ASSIGN_OR_RETURN(std::vector<float> up,
-                      Rows(reader, prefix + "up_proj.weight", {intermediate, hidden}, columns));
+  std::optional<Fp8Matrix> fp8_gate, fp8_up;
+  TV_ASSIGN_OR_RETURN(
+      std::vector<float> gate,
+      Projection(reader, prefix + "gate_proj.weight", {intermediate, hidden}, fp8_gate, columns));
+  TV_ASSIGN_OR_RETURN(std::vector<float> up, Projection(reader, prefix + "up_proj.weight",
+                                                        {intermediate, hidden}, fp8_up, columns));
   mlp.gate_up = std::move(gate);
   mlp.gate_up.insert(mlp.gate_up.end(), up.begin(), up.end());
-  TV_ASSIGN_OR_RETURN(
-      mlp.down, Columns(reader, prefix + "down_proj.weight", {hidden, intermediate}, columns));
+  mlp.fp8_gate_up = StackRows(fp8_gate, fp8_up);
+  TV_ASSIGN_OR_RETURN(mlp.down,
+                      Projection(reader, prefix + "down_proj.weight", {hidden, intermediate},
+                                 mlp.fp8_down, std::nullopt, columns));
   return mlp;
 }
 
@@ -49,16 +104,17 @@ absl::StatusOr<AttentionWeights> LoadAttention(const WeightReader& reader,
   const ShardRange q_rows{plan.heads.begin * qk, plan.heads.end * qk};
   if (c.q_lora_rank.has_value()) {
     const int64_t q_lora = *c.q_lora_rank;
-    TV_ASSIGN_OR_RETURN(a.q_a_proj, reader.Read(prefix + "q_a_proj.weight", {q_lora, hidden}));
+    TV_ASSIGN_OR_RETURN(a.q_a_proj, Projection(reader, prefix + "q_a_proj.weight", {q_lora, hidden},
+                                               a.fp8_q_a_proj));
     TV_ASSIGN_OR_RETURN(a.q_a_norm, reader.Read(prefix + "q_a_layernorm.weight", {q_lora}));
-    TV_ASSIGN_OR_RETURN(a.q_proj,
-                        Rows(reader, prefix + "q_b_proj.weight", {heads * qk, q_lora}, q_rows));
+    TV_ASSIGN_OR_RETURN(a.q_proj, Projection(reader, prefix + "q_b_proj.weight",
+                                             {heads * qk, q_lora}, a.fp8_q_proj, q_rows));
   } else {
-    TV_ASSIGN_OR_RETURN(a.q_proj,
-                        Rows(reader, prefix + "q_proj.weight", {heads * qk, hidden}, q_rows));
+    TV_ASSIGN_OR_RETURN(a.q_proj, Projection(reader, prefix + "q_proj.weight", {heads * qk, hidden},
+                                             a.fp8_q_proj, q_rows));
   }
-  TV_ASSIGN_OR_RETURN(a.kv_a_proj,
-                      reader.Read(prefix + "kv_a_proj_with_mqa.weight", {c.kv_row_dim(), hidden}));
+  TV_ASSIGN_OR_RETURN(a.kv_a_proj, Projection(reader, prefix + "kv_a_proj_with_mqa.weight",
+                                              {c.kv_row_dim(), hidden}, a.fp8_kv_a_proj));
   TV_ASSIGN_OR_RETURN(a.kv_a_norm, reader.Read(prefix + "kv_a_layernorm.weight", {c.kv_lora_rank}));
 
   // kv_b_proj rows per head: qk_nope_head_dim key rows, then v_head_dim value rows, each
@@ -66,9 +122,10 @@ absl::StatusOr<AttentionWeights> LoadAttention(const WeightReader& reader,
   const int64_t nope = c.qk_nope_head_dim;
   const int64_t v = c.v_head_dim;
   const int64_t lora = c.kv_lora_rank;
-  TV_ASSIGN_OR_RETURN(std::vector<float> kv_b,
-                      Rows(reader, prefix + "kv_b_proj.weight", {heads * (nope + v), lora},
-                           ShardRange{plan.heads.begin * (nope + v), plan.heads.end * (nope + v)}));
+  TV_ASSIGN_OR_RETURN(
+      std::vector<float> kv_b,
+      Projection(reader, prefix + "kv_b_proj.weight", {heads * (nope + v), lora}, a.fp8_kv_b_proj,
+                 ShardRange{plan.heads.begin * (nope + v), plan.heads.end * (nope + v)}));
   a.w_uk_t.resize(local_heads * lora * nope);
   a.w_uv.resize(local_heads * v * lora);
   for (int64_t h = 0; h < local_heads; ++h) {
@@ -79,34 +136,10 @@ absl::StatusOr<AttentionWeights> LoadAttention(const WeightReader& reader,
     std::copy(head_rows + nope * lora, head_rows + (nope + v) * lora,
               a.w_uv.begin() + h * v * lora);
   }
-  TV_ASSIGN_OR_RETURN(a.o_proj, Columns(reader, prefix + "o_proj.weight", {hidden, heads * v},
-                                        ShardRange{plan.heads.begin * v, plan.heads.end * v}));
+  TV_ASSIGN_OR_RETURN(
+      a.o_proj, Projection(reader, prefix + "o_proj.weight", {hidden, heads * v}, a.fp8_o_proj,
+                           std::nullopt, ShardRange{plan.heads.begin * v, plan.heads.end * v}));
   return a;
-}
-
-// One held expert matrix, rows [r0, r1) x columns [c0, c1) of it: its fp32 values, and where the
-// checkpoint stores it INT4 or FP8 the slice as stored, read once and dequantized from it.
-struct ExpertMatrix {
-  std::vector<float> values;
-  std::optional<Int4Matrix> int4;
-  std::optional<Fp8Matrix> fp8;
-};
-absl::StatusOr<ExpertMatrix> LoadExpertMatrix(const WeightReader& reader, const std::string& name,
-                                              const std::vector<int64_t>& shape, int64_t r0,
-                                              int64_t r1, int64_t c0, int64_t c1) {
-  ExpertMatrix m;
-  TV_ASSIGN_OR_RETURN(m.int4, reader.ReadInt4(name, shape, r0, r1, c0, c1));
-  TV_ASSIGN_OR_RETURN(m.fp8, reader.ReadFp8(name, shape, r0, r1, c0, c1));
-  if (m.int4) {
-    m.values = Dequantized(*m.int4);
-  } else if (m.fp8) {
-    m.values = Dequantized(*m.fp8);
-  } else if (c0 == 0 && c1 == shape[1]) {
-    TV_ASSIGN_OR_RETURN(m.values, reader.ReadRows(name, shape, r0, r1));
-  } else {
-    TV_ASSIGN_OR_RETURN(m.values, reader.ReadColumns(name, shape, c0, c1));
-  }
-  return m;
 }
 
 // An expert's stored gate, up and down, kept where all three are stored so.
@@ -133,15 +166,15 @@ absl::StatusOr<MoeWeights> LoadMoe(const WeightReader& reader, const std::string
   for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
     const std::string expert = absl::StrCat(prefix, "experts.", e, ".");
     const ShardRange columns = plan.expert_intermediate;
-    TV_ASSIGN_OR_RETURN(ExpertMatrix gate,
-                        LoadExpertMatrix(reader, expert + "gate_proj.weight", {inter, hidden},
-                                         columns.begin, columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(ExpertMatrix up,
-                        LoadExpertMatrix(reader, expert + "up_proj.weight", {inter, hidden},
-                                         columns.begin, columns.end, 0, hidden));
-    TV_ASSIGN_OR_RETURN(ExpertMatrix down,
-                        LoadExpertMatrix(reader, expert + "down_proj.weight", {hidden, inter}, 0,
-                                         hidden, columns.begin, columns.end));
+    TV_ASSIGN_OR_RETURN(StoredMatrix gate,
+                        LoadMatrix(reader, expert + "gate_proj.weight", {inter, hidden},
+                                   columns.begin, columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(StoredMatrix up,
+                        LoadMatrix(reader, expert + "up_proj.weight", {inter, hidden},
+                                   columns.begin, columns.end, 0, hidden));
+    TV_ASSIGN_OR_RETURN(StoredMatrix down,
+                        LoadMatrix(reader, expert + "down_proj.weight", {hidden, inter}, 0, hidden,
+                                   columns.begin, columns.end));
     m.gate_proj.push_back(std::move(gate.values));
     m.up_proj.push_back(std::move(up.values));
     m.down_proj.push_back(std::move(down.values));

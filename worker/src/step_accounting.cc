@@ -59,21 +59,25 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
   // Embedding: the rows' table rows read, the fp32 residual written.
   account.phase(StepPhase::kEmbed).modeled_bytes = rows * hidden * (weight + 4.0);
 
-  double attention_weights = hidden;  // input norm
+  const double projection = shape.projection_weight_bytes;
+  double attention_weight_bytes = hidden * weight;  // input norm
   if (c.q_lora_rank) {
     const double q_lora = static_cast<double>(*c.q_lora_rank);
-    attention_weights += q_lora * hidden + q_lora + heads * c.qk_head_dim() * q_lora;
+    attention_weight_bytes +=
+        (q_lora * hidden + heads * c.qk_head_dim() * q_lora) * projection + q_lora * weight;
   } else {
-    attention_weights += heads * c.qk_head_dim() * hidden;
+    attention_weight_bytes += heads * c.qk_head_dim() * hidden * projection;
   }
-  attention_weights += row_dim * hidden + c.kv_lora_rank;  // kv_a, its norm
-  attention_weights += heads * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim);  // W_UK, W_UV
-  attention_weights += hidden * heads * c.v_head_dim;                                 // o_proj
+  attention_weight_bytes +=
+      row_dim * hidden * projection + c.kv_lora_rank * weight;  // kv_a, its norm
+  attention_weight_bytes +=
+      heads * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) * projection;  // W_UK, W_UV
+  attention_weight_bytes += hidden * heads * c.v_head_dim * projection;           // o_proj
   double keys = 0.0;
   for (int64_t k : shape.keys) keys += static_cast<double>(k);
   const double kv_bytes = (keys + rows) * row_dim * shape.kv_bytes;  // read every key, write new
   account.phase(StepPhase::kAttention).modeled_bytes =
-      c.num_hidden_layers * (attention_weights * weight + kv_bytes);
+      c.num_hidden_layers * (attention_weight_bytes + kv_bytes);
 
   double moe = 0.0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -82,14 +86,15 @@ void ModelStepBytes(const ModelConfig& c, const ShardingPlan& plan, const StepSh
       const double active =
           l < static_cast<int64_t>(shape.active_experts.size()) ? shape.active_experts[l] : 0;
       layer += c.n_routed_experts * hidden;  // router
-      layer += 3.0 * hidden * static_cast<double>(plan.shared_intermediate.size());
+      const double shared = 3.0 * hidden * static_cast<double>(plan.shared_intermediate.size());
       const double experts =
           active * 3.0 * hidden * static_cast<double>(plan.expert_intermediate.size());
       // + the fp32 correction bias
-      moe += layer * weight + experts * shape.expert_weight_bytes + c.n_routed_experts * 4.0;
+      moe += layer * weight + shared * projection + experts * shape.expert_weight_bytes +
+             c.n_routed_experts * 4.0;
     } else {
-      layer += 3.0 * hidden * static_cast<double>(plan.dense_intermediate.size());
-      moe += layer * weight;
+      const double dense = 3.0 * hidden * static_cast<double>(plan.dense_intermediate.size());
+      moe += layer * weight + dense * projection;
     }
   }
   account.phase(StepPhase::kMoe).modeled_bytes = moe;

@@ -1,6 +1,8 @@
 // One rank's weights on the GPU, bf16, in the layouts of ModelWeights (model_weights.h): uploaded
 // from a loaded checkpoint, or random (benchmarks of shapes no checkpoint here has). Norm weights
-// are bf16 too, as the checkpoints store them.
+// are bf16 too, as the checkpoints store them. Quantized checkpoints' weights stay quantized where
+// the kernels read them so: experts INT4 or FP8 (DeviceMoeWeights), dense projections FP8
+// (DeviceProjection).
 //
 //   TV_ASSIGN_OR_RETURN(DeviceWeights device, UploadWeights(*weights));
 #pragma once
@@ -19,24 +21,39 @@ namespace treeverify::worker {
 
 using kernels::cuda::Bf16;
 
-struct DeviceMlpWeights {
-  int64_t intermediate = 0;   // this rank's columns (0: absent)
-  DeviceArray<Bf16> gate_up;  // [2 * intermediate, hidden]
-  DeviceArray<Bf16> down;     // [hidden, intermediate]
+// A dense projection's weight, [batch][rows, cols] (a batch of products: W_UK^T and W_UV, one a
+// head): bf16, or FP8 as DeepSeek-V3 ships it, e4m3 bytes with each product's 128 x 128 blocks'
+// scales (kernels/cuda/block_fp8.h), which GemmRunner streams as stored.
+struct DeviceProjection {
+  DeviceArray<Bf16> bf16;         // where not FP8
+  DeviceArray<uint8_t> fp8;       // e4m3
+  DeviceArray<float> fp8_scales;  // [batch][ceil(rows / 128), ceil(cols / 128)]
+  bool is_fp8() const { return fp8.size() > 0; }
+  int64_t bytes() const { return bf16.bytes() + fp8.bytes() + fp8_scales.bytes(); }
+  int64_t elements() const { return is_fp8() ? fp8.size() : bf16.size(); }
 };
 
+struct DeviceMlpWeights {
+  int64_t intermediate = 0;  // this rank's columns (0: absent)
+  DeviceProjection gate_up;  // [2 * intermediate, hidden]
+  DeviceProjection down;     // [hidden, intermediate]
+};
+
+// FP8 checkpoints' projections stay FP8; W_UK^T and W_UV (a head's product each) only where a
+// head's rows of kv_b_proj start on blocks (qk_nope_head_dim and v_head_dim multiples of 128, as
+// DeepSeek-V3's), else they are bf16 of the same values.
 struct DeviceAttentionWeights {
-  DeviceArray<Bf16> q_a_proj;   // [q_lora_rank, hidden] (when q_lora_rank is set)
+  DeviceProjection q_a_proj;    // [q_lora_rank, hidden] (when q_lora_rank is set)
   DeviceArray<Bf16> q_a_norm;   // [q_lora_rank]
-  DeviceArray<Bf16> q_proj;     // [local_heads * qk_head_dim, q_lora_rank or hidden]
-  DeviceArray<Bf16> kv_a_proj;  // [kv_lora_rank + qk_rope_head_dim, hidden]
+  DeviceProjection q_proj;      // [local_heads * qk_head_dim, q_lora_rank or hidden]
+  DeviceProjection kv_a_proj;   // [kv_lora_rank + qk_rope_head_dim, hidden]
   DeviceArray<Bf16> kv_a_norm;  // [kv_lora_rank]
-  DeviceArray<Bf16> w_uk_t;     // [local_heads, kv_lora_rank, qk_nope_head_dim]
-  DeviceArray<Bf16> w_uv;       // [local_heads, v_head_dim, kv_lora_rank]
-  // The same two as the checkpoint's kv_b_proj: [local_heads, nope + v, kv_lora_rank], each
+  DeviceProjection w_uk_t;      // [local_heads][kv_lora_rank, qk_nope_head_dim]
+  DeviceProjection w_uv;        // [local_heads][v_head_dim, kv_lora_rank]
+  // The same two as the checkpoint's kv_b_proj: [local_heads * (nope + v), kv_lora_rank], each
   // head's k_nope rows (W_UK) then its v rows (W_UV); the prefill path's up-projection.
-  DeviceArray<Bf16> kv_b_proj;
-  DeviceArray<Bf16> o_proj;  // [hidden, local_heads * v_head_dim]
+  DeviceProjection kv_b_proj;
+  DeviceProjection o_proj;  // [hidden, local_heads * v_head_dim]
 };
 
 struct DeviceMoeWeights {
@@ -80,8 +97,8 @@ struct DeviceWeights {
 // The loaded weights rounded to bf16 (round to nearest even) on the current device; the
 // correction bias stays fp32, as routing reads it. INT4 and FP8 experts (MoeWeights::int4_*,
 // fp8_*) stay so where the weight stream reads them and their groups are of 32 (INT4) or their
-// blocks 128 x 128 (FP8), the records' sizes; other FP8 weights (the dense projections) are
-// dequantized to bf16.
+// blocks 128 x 128 (FP8), the records' sizes; FP8 dense projections of 128 x 128 blocks stay FP8
+// (DeviceAttentionWeights says where W_UK and W_UV do not).
 absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
 
 // Random weights of this rank's shapes for benchmarks (the Kimi-K2 rank has no
@@ -89,7 +106,8 @@ absl::StatusOr<DeviceWeights> UploadWeights(const ModelWeights& weights);
 // the correction bias within +-0.05, the LM head with std 8/sqrt(hidden) as the tiny models'.
 // Where config.quantization says INT4 groups of 32 (or FP8 blocks of 128 x 128) and the stream
 // reads them, the experts are INT4 (FP8): uniform nibbles (e4m3 of uniform values), scales that
-// give the weights the same std. Values depend on (seed, tensor), not on the launch.
+// give the weights the same std; FP8 blocks of 128 x 128 make the dense projections FP8 as
+// UploadWeights keeps them. Values depend on (seed, tensor), not on the launch.
 absl::StatusOr<DeviceWeights> RandomDeviceWeights(const ModelConfig& config,
                                                   const ShardingPlan& plan, uint32_t seed);
 

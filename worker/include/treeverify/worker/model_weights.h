@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,10 +22,15 @@
 
 namespace treeverify::worker {
 
+// Where the checkpoint stores a dense projection FP8 (DeepSeek-V3), its slice as stored sits
+// beside its values (`fp8_*`), for the GPU's FP8 products; the values, dequantized from it, are
+// the CPU backend's.
 struct MlpWeights {
   int64_t intermediate = 0;    // this rank's columns (0: absent)
   std::vector<float> gate_up;  // [2 * intermediate, hidden]: gate rows, then up rows
   std::vector<float> down;     // [hidden, intermediate]
+  // gate_up's only where gate's rows end on a block edge (then up's blocks stay whole).
+  std::optional<Fp8Matrix> fp8_gate_up, fp8_down;
 };
 
 struct AttentionWeights {
@@ -36,6 +42,8 @@ struct AttentionWeights {
   std::vector<float> w_uk_t;     // [local_heads, kv_lora_rank, qk_nope_head_dim]: q_nope -> latent
   std::vector<float> w_uv;       // [local_heads, v_head_dim, kv_lora_rank]: latent -> value
   std::vector<float> o_proj;     // [hidden, local_heads * v_head_dim]
+  // FP8 as stored (see MlpWeights); kv_b_proj's the rank's heads' rows [heads * (nope + v), lora].
+  std::optional<Fp8Matrix> fp8_q_a_proj, fp8_q_proj, fp8_kv_a_proj, fp8_kv_b_proj, fp8_o_proj;
 };
 
 struct MoeWeights {

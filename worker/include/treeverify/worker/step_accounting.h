@@ -76,6 +76,9 @@ struct StepShape {
   // (half a byte and a bf16 scale per 32 weights), or about 1 for FP8 (a byte and an fp32 scale
   // per 128 x 128).
   double expert_weight_bytes = 2.0;
+  // The dense projections' (attention, dense MLP, shared experts): weight_bytes, or about 1 for
+  // FP8 (DeepSeek-V3's; its W_UK and W_UV stay bf16 at dims that cut blocks, counted as FP8 here).
+  double projection_weight_bytes = 2.0;
 };
 
 // Fills the modeled_bytes of every phase.

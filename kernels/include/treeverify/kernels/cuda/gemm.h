@@ -7,7 +7,8 @@
 // a CUDA graph, runs the same algorithm, so a graph replays the bytes an eager launch computes.
 // cuBLASLt's split-K reductions go through the workspace, never atomics. Products of at most 16
 // rows that resident_gemm.h takes run there instead (a programmatic dependent that loads its
-// weights before its input exists), unless the runner was created without it.
+// weights before its input exists), unless the runner was created without it. FP8 block-scaled
+// weights (block_fp8.h) go the same two ways.
 //
 //   TV_ASSIGN_OR_RETURN(std::unique_ptr<GemmRunner> gemm, GemmRunner::Create());
 //   TV_RETURN_IF_ERROR(gemm->Run({.x = x, .weight = w, .y = y, .m = 16, .n = 1536, .k = 7168},
@@ -24,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/cuda/block_fp8.h"
 #include "treeverify/kernels/cuda/resident_gemm.h"
 #include "treeverify/kernels/gemm.h"
 
@@ -43,6 +45,16 @@ class GemmRunner {
   absl::Status Run(const GemmParamsOf<Bf16, Bf16, Bf16>& params, cudaStream_t stream);
   absl::Status Run(const GemmParamsOf<Bf16, Bf16, float>& params, cudaStream_t stream);
 
+  // FP8 block-scaled weights: the products ResidentGemm takes stream the bytes; others are
+  // dequantized into the runner's scratch first and run as bf16, which needs ReserveDequantized
+  // of at least their batch * n * k (a FAILED_PRECONDITION says so otherwise).
+  absl::Status Run(const BlockFp8GemmParamsOf<Bf16>& params, cudaStream_t stream);
+  absl::Status Run(const BlockFp8GemmParamsOf<float>& params, cudaStream_t stream);
+
+  // Scratch for dequantized FP8 weights of up to `elements` bf16 values. It allocates (after
+  // synchronizing the device where it grows): not while a stream capture is under way.
+  absl::Status ReserveDequantized(int64_t elements);
+
   // Shapes planned so far (each holds its descriptors and chosen algorithm).
   int64_t planned_shapes() const;
 
@@ -55,6 +67,8 @@ class GemmRunner {
              ResidentGemmScratch scratch);
   template <typename Output>
   absl::Status RunImpl(const GemmParamsOf<Bf16, Bf16, Output>& params, cudaStream_t stream);
+  template <typename Output>
+  absl::Status RunFp8(const BlockFp8GemmParamsOf<Output>& params, cudaStream_t stream);
   absl::StatusOr<const Plan*> PlanFor(const ShapeKey& key);
 
   void* handle_;  // cublasLtHandle_t, kept opaque so this header needs no cuBLAS include
@@ -63,6 +77,8 @@ class GemmRunner {
   // The current device's at creation, for ResidentGemm's plans (off: all on cuBLASLt).
   ResidentGemmDevice resident_device_;
   ResidentGemmScratch resident_scratch_;  // split reductions' sums and counters
+  Bf16* dequantized_ = nullptr;           // ReserveDequantized's
+  int64_t dequantized_elements_ = 0;
   mutable std::mutex mutex_;
   std::map<ShapeKey, std::unique_ptr<Plan>> plans_;
 };

@@ -11,6 +11,9 @@
 // the reduction is split over k_parts blocks, whose sums go to a scratch buffer, and the last
 // block of a tile to arrive adds them. Every sum is added in one order, so the bytes do not
 // depend on scheduling. GemmRunner routes the products it takes here (gemm.h).
+//
+// FP8 block-scaled weights (block_fp8.h) stream as their bytes, half the bf16 weight's, and are
+// dequantized in registers: the products are bit for bit those of the dequantized bf16 weights.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -20,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "treeverify/kernels/cuda/bf16.h"
+#include "treeverify/kernels/cuda/block_fp8.h"
 #include "treeverify/kernels/gemm.h"
 
 namespace treeverify::kernels::cuda {
@@ -62,8 +66,9 @@ absl::StatusOr<ResidentGemmDevice> PrepareResidentGemm();
 // with n a multiple of 16 and k of 64 and 16-byte aligned weight and input rows, whose blocks'
 // weight rows and input fit in the device's shared memory, in at most one block per
 // multiprocessor; a split reduction needs room in `scratch` (none: only whole reductions).
-template <typename Output>
-ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p,
+// Weight: Bf16, or uint8_t for FP8 block-scaled bytes.
+template <typename Weight, typename Output>
+ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Weight, Output>& p,
                                   const ResidentGemmDevice& device,
                                   const ResidentGemmScratch& scratch = {});
 
@@ -72,6 +77,11 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Output>& p,
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>& p, const ResidentGemmPlan& plan,
                           const ResidentGemmScratch& scratch, cudaStream_t stream);
 absl::Status ResidentGemm(const GemmParamsOf<Bf16, Bf16, float>& p, const ResidentGemmPlan& plan,
+                          const ResidentGemmScratch& scratch, cudaStream_t stream);
+// The same for FP8 weights, planned with p.product.
+absl::Status ResidentGemm(const BlockFp8GemmParamsOf<Bf16>& p, const ResidentGemmPlan& plan,
+                          const ResidentGemmScratch& scratch, cudaStream_t stream);
+absl::Status ResidentGemm(const BlockFp8GemmParamsOf<float>& p, const ResidentGemmPlan& plan,
                           const ResidentGemmScratch& scratch, cudaStream_t stream);
 
 }  // namespace treeverify::kernels::cuda
