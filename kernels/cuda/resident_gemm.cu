@@ -308,8 +308,12 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Weight, Output>& p,
   }
   const int64_t tiles_per_batch = p.n / kTileRows;
   const int64_t tiles = p.batch * tiles_per_batch;
-  // The reduction whole in each block if that fits, else split over the fewest blocks that fit;
-  // then the fewest tiles a block (the most blocks) that one wave holds.
+  // bf16: the reduction whole in each block if that fits, else split over the fewest blocks that
+  // fit; then the fewest tiles a block (the most blocks) that one wave holds. FP8: of those that
+  // fit, the most blocks (the fewest k_parts among equals), as its dequantization after the wait
+  // is a block's own work, not the memory system's (bench/NOTES.md, step 141).
+  constexpr bool kMostBlocks = std::is_same_v<Weight, Fp8>;
+  ResidentGemmPlan best;
   for (int32_t k_parts = 1; k_parts <= kMaxKParts; k_parts *= 2) {
     const int64_t kp = p.k / k_parts;
     if (p.k % (64 * k_parts) != 0) break;
@@ -323,14 +327,17 @@ ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Weight, Output>& p,
       }
       int32_t slices = kWarps / per_block;
       while (slices > 1 && kp % (32 * slices) != 0) slices /= 2;
-      return {.blocks = static_cast<int32_t>(blocks),
-              .tiles_per_block = per_block,
-              .slices = slices,
-              .k_parts = k_parts,
-              .smem_bytes = smem};
+      const ResidentGemmPlan plan{.blocks = static_cast<int32_t>(blocks),
+                                  .tiles_per_block = per_block,
+                                  .slices = slices,
+                                  .k_parts = k_parts,
+                                  .smem_bytes = smem};
+      if (!kMostBlocks) return plan;
+      if (plan.blocks > best.blocks) best = plan;
+      break;  // more tiles a block: fewer blocks
     }
   }
-  return {};
+  return best;
 }
 
 template ResidentGemmPlan PlanResidentGemm(const GemmParamsOf<Bf16, Bf16, Bf16>&,

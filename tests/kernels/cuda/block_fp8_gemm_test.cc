@@ -270,6 +270,11 @@ TEST(BlockFp8PlanTest, FitsProductsTheBf16WeightsDoNot) {
   const auto [o_bf16, o_fp8] = both(7168, 2048);
   EXPECT_EQ(o_bf16[0], 0);
   EXPECT_EQ(o_fp8, (std::vector<int64_t>{112, 4, 2, 1}));
+  // Where both fit, FP8 takes the most blocks, not the fewest splits of the reduction: the shared
+  // expert's gate/up (Kimi-K2's at TP8) over 128 blocks, as bf16, where 64 would hold it.
+  const auto [gate_up_bf16, gate_up_fp8] = both(512, 7168);
+  EXPECT_EQ(gate_up_bf16, (std::vector<int64_t>{128, 1, 8, 4}));
+  EXPECT_EQ(gate_up_fp8, (std::vector<int64_t>{128, 1, 8, 4}));
 }
 
 }  // namespace
