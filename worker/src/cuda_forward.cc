@@ -34,8 +34,8 @@ absl::Status CudaForwardOptions::Validate() const {
 
 namespace {
 
-// y = x . w^T for a product `p` says all of but its weight: w's bf16, or its FP8 bytes and
-// scales (the batch's products as DeviceProjection lays them out).
+// y = x . w^T, `p` giving everything but the weight: w's bf16, or its FP8 bytes and scales (a
+// batch's products one after another, as DeviceProjection lays them out).
 template <typename Output>
 absl::Status ProjectImpl(cuda::GemmRunner& gemm, const DeviceProjection& w,
                          kernels::GemmParamsOf<Bf16, Bf16, Output> p, cudaStream_t stream) {
