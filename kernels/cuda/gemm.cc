@@ -178,19 +178,11 @@ absl::Status GemmRunner::RunFp8(const BlockFp8GemmParamsOf<Output>& params, cuda
         dequantized_elements_));
   }
   TV_RETURN_IF_ERROR(DequantizeBlockFp8(params, dequantized_, stream));
-  return RunImpl(GemmParamsOf<Bf16, Bf16, Output>{.x = p.x,
-                                                  .weight = dequantized_,
-                                                  .y = p.y,
-                                                  .m = p.m,
-                                                  .n = p.n,
-                                                  .k = p.k,
-                                                  .x_stride = p.x_stride,
-                                                  .y_stride = p.y_stride,
-                                                  .batch = p.batch,
-                                                  .x_batch_stride = p.x_batch_stride,
-                                                  .weight_batch_stride = p.n * p.k,
-                                                  .y_batch_stride = p.y_batch_stride},
-                 stream);
+  // The scratch holds the products' weights one after another, rows k apart.
+  GemmParamsOf<Bf16, Bf16, Output> bf16 = WithWeight(p, static_cast<const Bf16*>(dequantized_));
+  bf16.weight_stride = 0;
+  bf16.weight_batch_stride = p.n * p.k;
+  return RunImpl(bf16, stream);
 }
 
 template <typename Output>

@@ -43,22 +43,9 @@ absl::Status ProjectImpl(cuda::GemmRunner& gemm, const DeviceProjection& w,
     p.weight = w.bf16.get();
     return gemm.Run(p, stream);
   }
-  return gemm.Run(
-      cuda::BlockFp8GemmParamsOf<Output>{.product = {.x = p.x,
-                                                     .weight = w.fp8.get(),
-                                                     .y = p.y,
-                                                     .m = p.m,
-                                                     .n = p.n,
-                                                     .k = p.k,
-                                                     .x_stride = p.x_stride,
-                                                     .weight_stride = p.weight_stride,
-                                                     .y_stride = p.y_stride,
-                                                     .batch = p.batch,
-                                                     .x_batch_stride = p.x_batch_stride,
-                                                     .weight_batch_stride = p.weight_batch_stride,
-                                                     .y_batch_stride = p.y_batch_stride},
-                                         .scales = w.fp8_scales.get()},
-      stream);
+  return gemm.Run(cuda::BlockFp8GemmParamsOf<Output>{.product = kernels::WithWeight(p, w.fp8.get()),
+                                                     .scales = w.fp8_scales.get()},
+                  stream);
 }
 absl::Status Project(cuda::GemmRunner& gemm, const DeviceProjection& w,
                      const kernels::GemmParamsOf<Bf16, Bf16, Bf16>& p, cudaStream_t stream) {

@@ -144,17 +144,9 @@ void ExpectProductsOfTheDequantizedWeights(const ProductCase& c, GemmRunner& gem
                                               .x_batch_stride = c.m * c.k,
                                               .weight_batch_stride = c.n * c.k,
                                               .y_batch_stride = c.m * c.n};
-  const BlockFp8GemmParamsOf<Output> fp8{.product = {.x = d_x.get(),
-                                                     .weight = d_bytes.get(),
-                                                     .y = d_fp8.get(),
-                                                     .m = c.m,
-                                                     .n = c.n,
-                                                     .k = c.k,
-                                                     .batch = c.batch,
-                                                     .x_batch_stride = c.m * c.k,
-                                                     .weight_batch_stride = c.n * c.k,
-                                                     .y_batch_stride = c.m * c.n},
-                                         .scales = d_scales.get()};
+  BlockFp8GemmParamsOf<Output> fp8{.product = WithWeight(bf16, d_bytes.get()),
+                                   .scales = d_scales.get()};
+  fp8.product.y = d_fp8.get();
   const ResidentGemmScratch room{.tile_parts = 2048, .tiles = 2048};
   const ResidentGemmPlan fp8_plan = PlanResidentGemm(fp8.product, device, room);
   EXPECT_EQ(fp8_plan.blocks > 0, c.resident);

@@ -37,6 +37,26 @@ struct GemmParamsOf {
 };
 using GemmParams = GemmParamsOf<float, float, float>;
 
+// `p` with `weight` in place of its weight (another element type, the same layout in elements):
+// one product's params for weights stored two ways (FP8 bytes, their bf16 values).
+template <typename Weight, typename Input, typename From, typename Output>
+GemmParamsOf<Input, Weight, Output> WithWeight(const GemmParamsOf<Input, From, Output>& p,
+                                               const Weight* weight) {
+  return {.x = p.x,
+          .weight = weight,
+          .y = p.y,
+          .m = p.m,
+          .n = p.n,
+          .k = p.k,
+          .x_stride = p.x_stride,
+          .weight_stride = p.weight_stride,
+          .y_stride = p.y_stride,
+          .batch = p.batch,
+          .x_batch_stride = p.x_batch_stride,
+          .weight_batch_stride = p.weight_batch_stride,
+          .y_batch_stride = p.y_batch_stride};
+}
+
 namespace cpu {
 absl::Status Gemm(const GemmParams& params);
 }  // namespace cpu
